@@ -1,0 +1,126 @@
+"""Every engine knob in one validated dataclass, spelled as vLLM spells it.
+
+Validation happens here, before any weights load: a wrong value is a `ValueError`
+(or `TypeError`) naming the argument and what is allowed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from numbers import Integral, Real
+
+import torch
+
+DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
+          "float16": torch.float16, "half": torch.float16}
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+QUANTIZATION = (None, "fp8", "int8")
+SPEC_METHODS = ("draft_model", "ngram", "eagle")
+
+
+@dataclass
+class EngineConfig:
+    model: str = "tiny"
+    tokenizer: str | None = None
+    dtype: str | torch.dtype = "auto"
+    device: str = "auto"
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    gpu_memory_utilization: float = 0.9
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    scheduling_policy: str = "fcfs"
+    kv_cache_dtype: str = "auto"
+    quantization: str | None = None
+    speculative_config: dict | None = None
+    seed: int = 0
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    enforce_eager: bool = False
+
+    def __post_init__(self):
+        _positive_int("block_size", self.block_size)
+        if self.block_size & (self.block_size - 1) or self.block_size < 8:
+            raise ValueError(f"block_size must be a power of two >= 8 (8, 16, 32, ...), got {self.block_size}")
+        if self.num_kv_blocks is not None:
+            _positive_int("num_kv_blocks", self.num_kv_blocks)
+        _real("gpu_memory_utilization", self.gpu_memory_utilization)
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.max_model_len is not None:
+            _positive_int("max_model_len", self.max_model_len)
+        _positive_int("max_num_seqs", self.max_num_seqs)
+        _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
+        for name in ("enable_chunked_prefill", "enable_prefix_caching", "enforce_eager"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
+        if self.device not in ("auto", "cpu", "cuda") and not str(self.device).startswith("cuda:"):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
+        if str(self.device).startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"device={self.device!r} but no CUDA device is available; use 'cpu' or 'auto'")
+        if not isinstance(self.dtype, torch.dtype) and self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be 'auto' or one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                             f"got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype != "auto":
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r}: the FP8 KV cache is not "
+                             "implemented in this version; allowed now: 'auto'")
+        if self.quantization not in QUANTIZATION:
+            raise ValueError(f"quantization must be None, 'fp8' or 'int8', got {self.quantization!r}")
+        if self.quantization is not None:
+            raise ValueError(f"quantization={self.quantization!r}: quantize-on-load is not implemented "
+                             "in this version; allowed now: None")
+        if self.speculative_config is not None:
+            if not isinstance(self.speculative_config, dict):
+                raise TypeError(f"speculative_config must be a dict, got {self.speculative_config!r}")
+            method = self.speculative_config.get("method")
+            if method not in SPEC_METHODS:
+                raise ValueError(f"speculative_config['method'] must be one of {', '.join(SPEC_METHODS)}, "
+                                 f"got {method!r}")
+            raise ValueError("speculative_config: speculative decoding is not implemented in this "
+                             "version; allowed now: None")
+        _int("seed", self.seed)
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            _positive_int(name, getattr(self, name))
+            if getattr(self, name) != 1:
+                raise ValueError(f"{name}={getattr(self, name)}: parallelism across devices is not "
+                                 "implemented yet; allowed now: 1")
+
+    # -- resolved values ------------------------------------------------------------------
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def torch_dtype(self, checkpoint_dtype: str | None) -> torch.dtype:
+        """'auto': float32 on CPU (exact, and fast enough there); on GPU the checkpoint's
+        half-precision dtype, or bfloat16 for float32 checkpoints (as vLLM does)."""
+        if isinstance(self.dtype, torch.dtype):
+            return self.dtype
+        if self.dtype != "auto":
+            return DTYPES[self.dtype]
+        if self.torch_device().type == "cpu":
+            return torch.float32
+        return {"float16": torch.float16}.get(checkpoint_dtype or "", torch.bfloat16)
+
+
+def _int(name, v):
+    if isinstance(v, bool) or not isinstance(v, Integral):
+        raise TypeError(f"{name} must be an integer, got {v!r}")
+
+
+def _positive_int(name, v):
+    _int(name, v)
+    if v < 1:
+        raise ValueError(f"{name} must be >= 1, got {v}")
+
+
+def _real(name, v):
+    if isinstance(v, bool) or not isinstance(v, Real):
+        raise TypeError(f"{name} must be a number, got {v!r}")

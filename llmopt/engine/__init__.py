@@ -1,0 +1,1 @@
+"""The engine: KV caches, sequences and the generation loops that drive the model."""

@@ -1,0 +1,104 @@
+"""Two generation loops over the same model: without and with a KV cache.
+
+`generate_naive` feeds every sequence's whole history through the model at every
+step: token t costs O(t) model work (and O(t^2) attention), so n tokens cost O(n^2).
+`generate_with_cache` runs the prompt once (prefill), keeps each layer's keys and
+values, and then feeds only the newest token (decode): each step costs O(1) model work
+plus attention over the cache. Both sample and stop identically, so with greedy
+decoding they return the same tokens: the KV cache changes speed, never the result.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+
+from llmopt.engine.kv_cache import ContiguousKVCache, NoKVCache
+from llmopt.engine.sequence import Sequence, SequenceStatus
+from llmopt.layers.sampler import sample, top_logprobs
+from llmopt.outputs import Logprob
+
+
+@torch.inference_mode()
+def generate_naive(model, seqs: list[Sequence], *, eos_token_ids: set[int], max_model_len: int,
+                   tokenizer=None, on_finish: Callable | None = None) -> list[Sequence]:
+    """Recompute everything at every step. The baseline the KV cache improves on."""
+    device = next(model.parameters()).device
+    cache = NoKVCache()
+    running = _start(seqs)
+    while running:
+        ids = torch.tensor([t for s in running for t in s.token_ids], device=device)
+        positions = torch.cat([torch.arange(len(s), device=device) for s in running])
+        cache.begin_step([len(s) for s in running])
+        hidden = model(ids, positions, cache)
+        last = torch.tensor([len(s) for s in running], device=device).cumsum(0) - 1
+        logits = model.compute_logits(hidden[last])
+        running = _sample_and_check(running, logits, eos_token_ids, max_model_len, tokenizer, on_finish)
+    return seqs
+
+
+@torch.inference_mode()
+def generate_with_cache(model, seqs: list[Sequence], *, eos_token_ids: set[int], max_model_len: int,
+                        tokenizer=None, on_finish: Callable | None = None) -> list[Sequence]:
+    """Prefill all prompts in one flat batch, then decode one token per sequence per step."""
+    cfg = model.config
+    param = next(model.parameters())
+    # Reserve each sequence's worst case up front: prompt + max_tokens (capped by the model).
+    max_len = max(min(max_model_len, len(s) + (s.params.max_tokens or max_model_len)) for s in seqs)
+    cache = ContiguousKVCache(cfg.num_hidden_layers, len(seqs), max_len, cfg.num_key_value_heads,
+                              cfg.head_dim, dtype=param.dtype, device=param.device)
+    slot = {id(s): cache.allocate() for s in seqs}
+    running = _start(seqs)
+    # prefill: every prompt token of every sequence, flattened
+    ids = torch.tensor([t for s in running for t in s.prompt_token_ids], device=param.device)
+    positions = torch.cat([torch.arange(len(s), device=param.device) for s in running])
+    cache.begin_step([slot[id(s)] for s in running], [len(s) for s in running])
+    hidden = model(ids, positions, cache)
+    last = torch.tensor([len(s) for s in running], device=param.device).cumsum(0) - 1
+    logits = model.compute_logits(hidden[last])
+    running = _sample_and_check(running, logits, eos_token_ids, max_model_len, tokenizer, on_finish)
+    # decode: only the newest token of each running sequence
+    while running:
+        ids = torch.tensor([s.output_token_ids[-1] for s in running], device=param.device)
+        positions = torch.tensor([len(s) - 1 for s in running], device=param.device)
+        cache.begin_step([slot[id(s)] for s in running], [1] * len(running))
+        logits = model.compute_logits(model(ids, positions, cache))
+        running = _sample_and_check(running, logits, eos_token_ids, max_model_len, tokenizer, on_finish)
+    return seqs
+
+
+def _start(seqs: list[Sequence]) -> list[Sequence]:
+    now = time.perf_counter()
+    for s in seqs:
+        s.status = SequenceStatus.RUNNING
+        s.metrics.first_scheduled_time = now
+    return list(seqs)
+
+
+def _sample_and_check(running, logits, eos_token_ids, max_model_len, tokenizer, on_finish):
+    tokens = sample(logits, [s.params for s in running], [s.generator for s in running])
+    want = [s.params.logprobs for s in running]
+    if any(n is not None for n in want):
+        chosen, ranks, top_v, top_i = top_logprobs(logits, tokens, max(n or 0 for n in want))
+    now = time.perf_counter()
+    still = []
+    for i, (s, t) in enumerate(zip(running, tokens.tolist())):
+        s.append_token(t, now)
+        if s.params.logprobs is not None:
+            lp = float(chosen[i])
+            s.cumulative_logprob += lp
+            entry = {t: Logprob(lp, int(ranks[i]))}
+            for v, j in zip(top_v[i, :s.params.logprobs].tolist(), top_i[i, :s.params.logprobs].tolist()):
+                entry.setdefault(j, Logprob(v, None))
+            for r, j in enumerate(top_i[i, :s.params.logprobs].tolist()):
+                entry[j].rank = r + 1
+            s.logprobs.append(entry)
+        s.check_stop(eos_token_ids, max_model_len, tokenizer)
+        if s.is_finished:
+            if on_finish is not None:
+                on_finish(s)
+        else:
+            still.append(s)
+    return still

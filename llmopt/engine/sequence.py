@@ -1,0 +1,99 @@
+"""A request in flight: its tokens, its sampling state, and when it must stop."""
+
+from __future__ import annotations
+
+import time
+from enum import Enum
+
+import torch
+
+from llmopt.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from llmopt.sampling_params import SamplingParams
+
+
+class SequenceStatus(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                 params: SamplingParams, generator: torch.Generator | None = None,
+                 arrival_time: float | None = None):
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.params = params
+        self.generator = generator
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.output_text = ""
+        self.cumulative_logprob = 0.0
+        self.logprobs: list[dict[int, Logprob]] = []
+        self.metrics = RequestMetrics(arrival_time if arrival_time is not None else time.perf_counter())
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def __len__(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int, now: float) -> None:
+        self.output_token_ids.append(token_id)
+        if self.metrics.first_token_time is None:
+            self.metrics.first_token_time = now
+        self.metrics.last_token_time = now
+        self.metrics.token_times.append(now)
+
+    def check_stop(self, eos_token_ids: set[int], max_model_len: int, tokenizer) -> None:
+        """Decide after each new token whether the request is done, in vLLM's order."""
+        p, last = self.params, self.output_token_ids[-1]
+        n = len(self.output_token_ids)
+        if p.stop_strings and tokenizer is not None:  # decoding every step only when needed
+            self.output_text = self.decode(tokenizer)
+        if n >= p.min_tokens:
+            if not p.ignore_eos and last in eos_token_ids:
+                return self._finish("stop", None)
+            if last in p.stop_token_ids:
+                return self._finish("stop", last)
+            for s in p.stop_strings:
+                # only the tail can hold a new match: look a little before the newest token
+                at = self.output_text.find(s, max(0, len(self.output_text) - len(s) - 32))
+                if at >= 0:
+                    end = at + len(s) if p.include_stop_str_in_output else at
+                    self.output_text = self.output_text[:end]
+                    return self._finish("stop", s)
+        if p.max_tokens is not None and n >= p.max_tokens:
+            return self._finish("length", None)
+        if len(self) >= max_model_len:
+            return self._finish("length", None)
+
+    def decode(self, tokenizer) -> str:
+        return tokenizer.decode(self.output_token_ids, skip_special_tokens=self.params.skip_special_tokens)
+
+    def finalize_text(self, tokenizer) -> None:
+        """Detokenize once at the end, unless a stop string already cut the text."""
+        if not isinstance(self.stop_reason, str) and tokenizer is not None:
+            self.output_text = self.decode(tokenizer)
+
+    def _finish(self, reason: str, stop_reason) -> None:
+        self.status = SequenceStatus.FINISHED
+        self.finish_reason, self.stop_reason = reason, stop_reason
+        self.metrics.finished_time = time.perf_counter()
+
+    def to_output(self) -> RequestOutput:
+        out = CompletionOutput(
+            index=0, text=self.output_text, token_ids=list(self.output_token_ids),
+            cumulative_logprob=self.cumulative_logprob if self.params.logprobs is not None else None,
+            logprobs=self.logprobs if self.params.logprobs is not None else None,
+            finish_reason=self.finish_reason, stop_reason=self.stop_reason)
+        return RequestOutput(self.request_id, self.prompt, list(self.prompt_token_ids), [out],
+                             self.is_finished, self.metrics)

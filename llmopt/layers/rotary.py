@@ -1,0 +1,59 @@
+"""Rotary position embedding (RoPE): rotate pairs of q/k features by a position angle.
+
+The dot product of a rotated query and key then depends only on their distance.
+Feature i rotates at frequency theta^(-2i/d); Llama 3's scaling slows the low
+frequencies so that a model trained on 8K positions reads 128K. The layout is
+"rotate half" (feature i pairs with i + d/2), the layout Hugging Face checkpoints use.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+
+def inverse_frequencies(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    rope_type = (scaling or {}).get("rope_type", "default")
+    if rope_type == "linear":  # position interpolation: positions squeezed by `factor`
+        inv_freq = inv_freq / scaling["factor"]
+    elif rope_type == "llama3":
+        inv_freq = _llama3_scaling(inv_freq, scaling)
+    return inv_freq
+
+
+def _llama3_scaling(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
+    """Long wavelengths are divided by `factor`, short ones kept, the middle band blended."""
+    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    old_len = s["original_max_position_embeddings"]
+    low_freq_wavelen, high_freq_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    middle = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(middle, blended, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None = None):
+        super().__init__()
+        inv_freq = inverse_frequencies(head_dim, theta, scaling)
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        # A table of cos/sin for every position, looked up by each token's position id.
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim]."""
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
+        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)

@@ -1,0 +1,64 @@
+"""Turn logits into next tokens: greedy, temperature, top-k, top-p, min-p, per-request seeds.
+
+Order, as in vLLM: divide by temperature; keep the k most likely tokens; keep the
+smallest set whose probability reaches top_p; drop tokens below min_p x the top
+probability; renormalize and draw. Each request may bring its own seeded generator,
+so its samples do not depend on what else is in the batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                  top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Rows [B, V] of logits -> filtered, temperature-scaled logits (masked to -inf).
+
+    temperature > 0 per row; top_k <= 0 or >= V means off; top_p = 1 and min_p = 0 mean off.
+    """
+    logits = logits / temperature[:, None]
+    V = logits.shape[-1]
+    k = torch.where(top_k <= 0, V, top_k.clamp(max=V))
+    if bool((k < V).any() or (top_p < 1).any() or (min_p > 0).any()):
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        ranks = torch.arange(V, device=logits.device)[None, :]
+        drop = ranks >= k[:, None]
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        probs = sorted_logits.softmax(-1)
+        # top-p keeps token i while the mass strictly before it is still < top_p
+        drop |= (probs.cumsum(-1) - probs) >= top_p[:, None]
+        drop |= probs < min_p[:, None] * probs[:, :1]
+        drop[:, 0] = False  # the most likely token always survives
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+    return logits
+
+
+def sample(logits: torch.Tensor, params: list, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One token per row. `params` are SamplingParams; greedy rows take the argmax."""
+    out = logits.argmax(dim=-1)
+    rows = [i for i, p in enumerate(params) if not p.greedy]
+    if not rows:
+        return out
+    dev = logits.device
+    sub = filter_logits(
+        logits[rows],
+        torch.tensor([params[i].temperature for i in rows], device=dev, dtype=logits.dtype),
+        torch.tensor([params[i].top_k for i in rows], device=dev),
+        torch.tensor([params[i].top_p for i in rows], device=dev, dtype=logits.dtype),
+        torch.tensor([params[i].min_p for i in rows], device=dev, dtype=logits.dtype),
+    )
+    probs = sub.softmax(-1)
+    for j, i in enumerate(rows):
+        out[i] = torch.multinomial(probs[j], 1, generator=generators[i])[0]
+    return out
+
+
+def top_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, n: int):
+    """Log-probabilities of the chosen tokens and the n most likely, from the raw logits."""
+    logp = logits.log_softmax(-1)
+    chosen = logp.gather(-1, token_ids[:, None])[:, 0]
+    top_v, top_i = logp.topk(n, dim=-1) if n > 0 else (None, None)
+    ranks = (logp > chosen[:, None]).sum(-1) + 1
+    return chosen, ranks, top_v, top_i

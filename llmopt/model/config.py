@@ -1,0 +1,135 @@
+"""The model's shape, read from a Hugging Face `config.json`.
+
+One small dataclass holds everything the decoder needs; `from_hf` is the only
+place that knows how Llama, Qwen2 and Mistral spell their fields (and how
+transformers 4.x and 5.x spell RoPE), so the model code never branches on names.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+# The architectures whose weights map onto llmopt's decoder, and what differs between them.
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",  # q/k/v projections carry a bias
+    "MistralForCausalLM": "mistral",  # sliding-window attention
+}
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # {"rope_type": "llama3", "factor": 8.0, ...}
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    sliding_windows: list[int | None] = field(default_factory=list)  # one per layer
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+    torch_dtype: str | None = None
+    quantization_config: dict | None = None
+
+    @property
+    def num_queries_per_kv(self) -> int:
+        return self.num_attention_heads // self.num_key_value_heads
+
+    @classmethod
+    def from_pretrained(cls, folder: str | Path) -> "ModelConfig":
+        path = Path(folder) / "config.json"
+        if not path.is_file():
+            raise ValueError(f"checkpoint folder {folder} has no config.json; a Hugging Face "
+                             "model folder needs config.json and model.safetensors")
+        try:
+            raw = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{path} is not valid JSON: {e}") from None
+        return cls.from_hf(raw, source=str(path))
+
+    @classmethod
+    def from_hf(cls, c: dict, source: str = "config.json") -> "ModelConfig":
+        archs = c.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ValueError(f"{source}: architecture {archs or c.get('model_type')!r} is not "
+                             f"supported; llmopt loads {', '.join(SUPPORTED_ARCHITECTURES)}")
+        family = SUPPORTED_ARCHITECTURES[arch]
+        try:
+            hidden, heads = int(c["hidden_size"]), int(c["num_attention_heads"])
+            kv_heads = int(c.get("num_key_value_heads") or heads)
+            head_dim = int(c.get("head_dim") or hidden // heads)
+            layers = int(c["num_hidden_layers"])
+            cfg = cls(
+                architecture=arch, vocab_size=int(c["vocab_size"]), hidden_size=hidden,
+                intermediate_size=int(c["intermediate_size"]), num_hidden_layers=layers,
+                num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+                max_position_embeddings=int(c.get("max_position_embeddings", 2048)),
+                rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
+                tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+                qkv_bias=family == "qwen2" or bool(c.get("attention_bias", False)),
+                o_bias=family == "llama" and bool(c.get("attention_bias", False)),
+                mlp_bias=bool(c.get("mlp_bias", False)),
+                bos_token_id=c.get("bos_token_id"),
+                eos_token_ids=_as_list(c.get("eos_token_id")),
+                torch_dtype=c.get("dtype") or c.get("torch_dtype"),
+                quantization_config=c.get("quantization_config"),
+            )
+        except KeyError as e:
+            raise ValueError(f"{source} lacks the field {e.args[0]!r}") from None
+        if c.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"{source}: hidden_act {c['hidden_act']!r} is not supported (only 'silu')")
+        if heads % kv_heads:
+            raise ValueError(f"{source}: num_attention_heads ({heads}) must be a multiple of "
+                             f"num_key_value_heads ({kv_heads})")
+        cfg.rope_theta, cfg.rope_scaling = _rope(c, source)
+        cfg.sliding_windows = _sliding_windows(c, family, layers)
+        return cfg
+
+
+def _as_list(x) -> list[int]:
+    if x is None:
+        return []
+    return [int(v) for v in x] if isinstance(x, (list, tuple)) else [int(x)]
+
+
+def _rope(c: dict, source: str) -> tuple[float, dict | None]:
+    """transformers 5 writes `rope_parameters`; older configs `rope_theta` + `rope_scaling`."""
+    params = dict(c.get("rope_parameters") or {})
+    theta = float(params.pop("rope_theta", c.get("rope_theta", 10000.0)))
+    scaling = params or dict(c.get("rope_scaling") or {})
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"{source}: rope_type {rope_type!r} is not supported; "
+                         f"llmopt implements {', '.join(SUPPORTED_ROPE_TYPES)}")
+    if rope_type == "default":
+        return theta, None
+    scaling["rope_type"] = rope_type
+    scaling.setdefault("original_max_position_embeddings", c.get("max_position_embeddings"))
+    return theta, scaling
+
+
+def _sliding_windows(c: dict, family: str, layers: int) -> list[int | None]:
+    window = c.get("sliding_window")
+    if family == "qwen2" and not c.get("use_sliding_window", False):
+        window = None
+    if window is None:
+        return [None] * layers
+    types = c.get("layer_types")
+    if types is None:
+        first = int(c.get("max_window_layers", 0)) if family == "qwen2" else 0
+        types = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
+    return [int(window) if t == "sliding_attention" else None for t in types]

@@ -1,0 +1,109 @@
+"""Load a Hugging Face safetensors checkpoint into llmopt's decoder.
+
+Every failure is a `ValueError` that names the file or tensor at fault, raised before
+any weights are used: a missing config.json or weights file, a corrupt safetensors
+header, an architecture we do not implement, a missing or misshapen tensor.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from llmopt.layers.rotary import RotaryEmbedding
+from llmopt.model.config import ModelConfig
+from llmopt.model.llama import LlamaForCausalLM
+
+
+def safetensors_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError) as e:
+            raise ValueError(f"{index} is corrupt ({e})") from None
+        files = [folder / s for s in shards]
+    else:
+        files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        other = [p.name for p in folder.glob("*.bin")] + [p.name for p in folder.glob("*.pt")]
+        hint = f" (found {', '.join(other)}: convert them to safetensors)" if other else ""
+        raise ValueError(f"checkpoint folder {folder} has no model.safetensors{hint}")
+    for f in files:
+        if not f.is_file():
+            raise ValueError(f"checkpoint shard {f} is listed in the index but missing")
+    return files
+
+
+def iter_checkpoint(files: list[Path]):
+    for f in files:
+        try:
+            handle = safe_open(str(f), framework="pt")
+        except Exception as e:
+            raise ValueError(f"checkpoint file {f} is corrupt or not safetensors ({e})") from None
+        with handle:
+            for name in handle.keys():
+                try:
+                    yield name, handle.get_tensor(name)
+                except Exception as e:
+                    raise ValueError(f"checkpoint file {f}: tensor {name!r} is unreadable ({e})") from None
+
+
+def load_model(folder: str | Path, dtype: torch.dtype = torch.float32,
+               device: str | torch.device = "cpu") -> LlamaForCausalLM:
+    folder = Path(folder)
+    cfg = ModelConfig.from_pretrained(folder)
+    if cfg.quantization_config:
+        method = cfg.quantization_config.get("quant_method", "?")
+        raise ValueError(f"{folder}/config.json asks for {method!r} quantization, which this "
+                         "version of llmopt does not load yet; use an unquantized checkpoint")
+    files = safetensors_files(folder)
+    # Build on the meta device (no memory, no random init), then allocate for real.
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    model = model.to_empty(device=device).to(dtype)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.model.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings,
+                                             cfg.rope_theta, cfg.rope_scaling).to(device)
+    load_weights(model, iter_checkpoint(files), source=str(folder))
+    return model.eval()
+
+
+def load_weights(model: LlamaForCausalLM, weights, source: str = "checkpoint") -> None:
+    params = dict(model.named_parameters(remove_duplicate=False))
+    loaded: set[str] = set()
+    for name, tensor in weights:
+        if "rotary_emb.inv_freq" in name:
+            continue  # recomputed from the config
+        if name == "lm_head.weight" and model.config.tie_word_embeddings:
+            continue  # tied: the embedding is the head
+        target, rows = name, None
+        for fused, part, shard in model.stacked_params:
+            if f".{part}." in name:
+                target = name.replace(part, fused)
+                rows = model.shard_rows(fused, shard)
+                break
+        if target not in params:
+            continue  # tensors of heads we do not run (e.g. a value head) are ignored
+        param = params[target]
+        dest = param.data if rows is None else param.data[rows[0]:rows[1]]
+        if dest.shape != tensor.shape:
+            raise ValueError(f"{source}: tensor {name!r} has shape {tuple(tensor.shape)}, "
+                             f"config.json implies {tuple(dest.shape)}")
+        dest.copy_(tensor.to(dest.dtype))
+        loaded.add(name)
+    expected = set()
+    for pname in params:
+        if pname == "lm_head.weight" and model.config.tie_word_embeddings:
+            continue
+        parts = [pname.replace(fused, part) for fused, part, _ in model.stacked_params
+                 if f".{fused}." in pname]
+        expected.update(parts or [pname])
+    missing = sorted(expected - loaded)
+    if missing:
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        raise ValueError(f"{source}: checkpoint lacks {', '.join(missing[:5])}{more}")

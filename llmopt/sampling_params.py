@@ -1,0 +1,85 @@
+"""How to pick each next token, per request: vLLM's `SamplingParams`, validated up front."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from numbers import Integral, Real
+
+
+@dataclass
+class SamplingParams:
+    """`temperature=0` is greedy. `top_k` of -1 (or 0) and `top_p=1` switch those filters off."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    # filled in from `stop` so that the engine always sees a list
+    _stop_list: list[str] = field(default_factory=list, repr=False, compare=False)
+
+    def __post_init__(self):
+        _int("n", self.n, lo=1)
+        if self.n != 1:
+            raise ValueError(f"n={self.n}: llmopt returns one completion per request (n=1); "
+                             "submit the prompt several times with different seeds instead")
+        _real("temperature", self.temperature, lo=0.0)
+        _real("top_p", self.top_p)
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        _int("top_k", self.top_k)
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1 or 0 (off) or a positive integer, got {self.top_k}")
+        _real("min_p", self.min_p)
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.seed is not None:
+            _int("seed", self.seed)
+        if self.max_tokens is not None:
+            _int("max_tokens", self.max_tokens, lo=1)
+        _int("min_tokens", self.min_tokens, lo=0)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+        if self.logprobs is not None:
+            _int("logprobs", self.logprobs, lo=0)
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if not all(isinstance(s, str) and s for s in stop):
+            raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+        self._stop_list = stop
+        ids = list(self.stop_token_ids or [])
+        if not all(isinstance(t, Integral) and not isinstance(t, bool) and t >= 0 for t in ids):
+            raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        self.stop_token_ids = ids
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def stop_strings(self) -> list[str]:
+        return self._stop_list
+
+
+def _int(name, value, lo=None):
+    if isinstance(value, bool) or not isinstance(value, Integral):
+        raise TypeError(f"{name} must be an integer, got {value!r}")
+    if lo is not None and value < lo:
+        raise ValueError(f"{name} must be >= {lo}, got {value}")
+
+
+def _real(name, value, lo=None):
+    if isinstance(value, bool) or not isinstance(value, Real):
+        raise TypeError(f"{name} must be a number, got {value!r}")
+    if value != value or value in (float("inf"), float("-inf")):
+        raise ValueError(f"{name} must be finite, got {value}")
+    if lo is not None and value < lo:
+        raise ValueError(f"{name} must be >= {lo}, got {value}")

@@ -1,0 +1,1 @@
+"""Widgets and plots for the lessons (ipywidgets, plotly); the engine never imports this."""
