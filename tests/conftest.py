@@ -5,3 +5,27 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never touch the network
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def checkpoint_dir(tmp_path_factory):
+    """name -> folder of a random-weight HF checkpoint (see tests/checkpoints.py)."""
+    from checkpoints import write_checkpoint
+
+    made = {}
+
+    def get(name):
+        if name not in made:
+            made[name] = write_checkpoint(name, tmp_path_factory.mktemp(name))
+        return made[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def tiny_llm():
+    from llmopt import LLM
+
+    return LLM(model="tiny")

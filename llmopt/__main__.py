@@ -1,0 +1,5 @@
+import sys
+
+from llmopt.cli import main
+
+sys.exit(main())

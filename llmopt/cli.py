@@ -1,0 +1,123 @@
+"""`llmopt` on the command line: generate and bench (engine flags spelled as vLLM's).
+
+    llmopt generate "def fibonacci(n):" --max-tokens 64 --temperature 0
+    llmopt bench --workload kv-cache --lengths 128 1024
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def add_engine_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine (vLLM spelling)")
+    g.add_argument("--model", default="tiny", help="bundled name, local HF folder or hub id")
+    g.add_argument("--tokenizer", default=None)
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--num-kv-blocks", type=int, default=None)
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--max-num-seqs", type=int, default=64)
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"])
+    g.add_argument("--quantization", default=None, choices=["fp8", "int8"])
+    g.add_argument("--speculative-config", type=_json_dict, default=None,
+                   help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--tensor-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-parallel-size", type=int, default=1)
+    g.add_argument("--enforce-eager", action="store_true")
+
+
+ENGINE_FLAGS = ["model", "tokenizer", "dtype", "device", "block_size", "num_kv_blocks",
+                "gpu_memory_utilization", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
+                "enable_chunked_prefill", "enable_prefix_caching", "scheduling_policy",
+                "kv_cache_dtype", "quantization", "speculative_config", "seed",
+                "tensor_parallel_size", "pipeline_parallel_size", "enforce_eager"]
+
+
+def engine_kwargs(args) -> dict:
+    return {k: getattr(args, k) for k in ENGINE_FLAGS}
+
+
+def _json_dict(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="llmopt", description="llmopt inference engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="complete one or more prompts")
+    gen.add_argument("prompts", nargs="+")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=-1)
+    gen.add_argument("--min-p", type=float, default=0.0)
+    gen.add_argument("--sampling-seed", type=int, default=None, help="per-request seed")
+    gen.add_argument("--stop", action="append", default=None)
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    add_engine_flags(gen)
+
+    bench = sub.add_parser("bench", help="measure speed, side by side with the baseline")
+    bench.add_argument("--workload", default="kv-cache", choices=["kv-cache"])
+    bench.add_argument("--lengths", type=int, nargs="+", default=[128, 1024])
+    bench.add_argument("--prompt", default="def ")
+    bench.add_argument("--out", default=None, help="write the table (markdown) here too")
+    add_engine_flags(bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "generate":
+            return _generate(args)
+        if args.command == "bench":
+            from llmopt.bench import run_bench
+
+            print(run_bench(args))
+            return 0
+    except (ValueError, TypeError) as e:
+        print(f"llmopt {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    return 1
+
+
+def _generate(args) -> int:
+    from llmopt import LLM, SamplingParams
+
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            min_p=args.min_p, seed=args.sampling_seed, max_tokens=args.max_tokens,
+                            stop=args.stop, ignore_eos=args.ignore_eos)
+    llm = LLM(**engine_kwargs(args))
+    outs = llm.generate(args.prompts, params, use_tqdm=len(args.prompts) > 1 or args.max_tokens > 64)
+    for o in outs:
+        c = o.outputs[0]
+        if args.json:
+            print(json.dumps({"prompt": o.prompt, "text": c.text, "token_ids": c.token_ids,
+                              "finish_reason": c.finish_reason, "ttft_s": o.metrics.ttft,
+                              "tpot_s": o.metrics.tpot}))
+        else:
+            print(o.prompt + c.text)
+            print(f"[{len(c.token_ids)} tokens, finish_reason={c.finish_reason}]", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,113 @@
+"""What every lesson notebook needs besides the engine: plot rendering, text tables, exercise checks.
+
+Plots are stored in the notebooks as plotly's JSON mimetype (no embedded plotly.js), which
+JupyterLab, Notebook 7 and VS Code draw; Colab needs its own renderer and widget manager.
+Every plot has a plain-text table of the same numbers beside it, for viewers that draw neither.
+"""
+
+from __future__ import annotations
+
+import sys
+from numbers import Number
+from typing import Callable
+
+import ipywidgets as widgets
+
+
+def in_colab() -> bool:
+    return "google.colab" in sys.modules
+
+
+def setup_notebook() -> str:
+    """Pick the plotly renderer for this frontend and return its name."""
+    import plotly.io as pio
+
+    if in_colab():
+        from google.colab import output
+
+        output.enable_custom_widget_manager()  # Colab draws ipywidgets 8 only with this
+        renderer = "colab"
+    else:
+        renderer = "plotly_mimetype"
+    pio.renderers.default = renderer
+    pio.templates.default = "plotly_white"
+    return renderer
+
+
+def format_table(rows: list[dict], columns: list[str] | None = None, floatfmt: str = ",.2f") -> str:
+    """A fixed-width text table: numbers right-aligned with thousands separators, text left."""
+    columns = columns or list(rows[0])
+
+    def cell(v):
+        if isinstance(v, bool) or v is None:
+            return "-" if v is None else str(v)
+        if isinstance(v, int):
+            return f"{v:,}"
+        if isinstance(v, Number):
+            return format(v, floatfmt)
+        return str(v)
+
+    cells = [[cell(r.get(c)) for c in columns] for r in rows]
+    numeric = [all(isinstance(r.get(c), Number) and not isinstance(r.get(c), bool) or r.get(c) is None
+                   for r in rows) for c in columns]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
+
+    def line(values):
+        return "  ".join(v.rjust(w) if num else v.ljust(w)
+                         for v, w, num in zip(values, widths, numeric)).rstrip()
+
+    out = [line(columns), line(["-" * w for w in widths])]
+    out += [line(row) for row in cells]
+    return "\n".join(out)
+
+
+def check_answer(name: str, get_answer: Callable[[], object], expected, hint: str = "",
+                 rel_tol: float = 0.0) -> bool:
+    """Run the learner's answer and say whether it is right; an unanswered exercise is no error."""
+    try:
+        answer = get_answer()
+    except (NotImplementedError, NameError):
+        print(f"{name}: not answered yet. Fill in the exercise cell above, run it, then run this cell.")
+        return False
+    if isinstance(expected, Number) and isinstance(answer, Number) and not isinstance(answer, bool):
+        right = abs(answer - expected) <= rel_tol * abs(expected)
+    else:
+        right = answer == expected
+    if right:
+        print(f"{name}: correct ({_show(answer)}).")
+    else:
+        print(f"{name}: not yet: your answer is {_show(answer)}. {hint}".rstrip())
+    return right
+
+
+def _show(v) -> str:
+    return f"{v:,}" if isinstance(v, int) and not isinstance(v, bool) else repr(v)
+
+
+class LessonWidget(widgets.VBox):
+    """A VBox whose text form names the widget, instead of dumping every child's state.
+
+    Viewers that cannot run widgets (GitHub, nbviewer, a terminal) show this text; the
+    lesson prints the same facts as a table in the next cell.
+    """
+
+    def __init__(self, title: str, children, **kwargs):
+        super().__init__(children, **kwargs)
+        self.title = title
+
+    def __repr__(self) -> str:
+        return f"[interactive widget: {self.title}; run the notebook to use it]"
+
+
+def show_outputs(out: widgets.Output, *items) -> None:
+    """Replace what an Output widget shows: figures are displayed, strings printed.
+
+    Setting the widget's outputs directly (instead of `with out: display(...)`) keeps these
+    displays inside the widget whichever client runs the cell: a browser, nbclient or nbval.
+    """
+    out.outputs = ()
+    for item in items:
+        if isinstance(item, str):
+            out.append_stdout(item if item.endswith("\n") else item + "\n")
+        else:
+            out.append_display_data(item)

@@ -1,0 +1,180 @@
+"""Bad input gets a clear error naming what is wrong and what is allowed, before any work."""
+
+import json
+import shutil
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from llmopt import LLM, SamplingParams, list_models, model_path
+from llmopt.model.loader import load_model
+
+
+def test_unknown_model_name_lists_the_bundled_ones():
+    with pytest.raises(ValueError) as e:
+        LLM(model="no-such-model")
+    for name in list_models():
+        assert name in str(e.value)
+    with pytest.raises(ValueError, match="tiny"):
+        model_path("llama-70b")
+    assert {"tiny", "tiny-draft"} <= set(list_models())
+
+
+@pytest.fixture
+def copy_of_tiny(tmp_path):
+    dst = tmp_path / "tiny"
+    shutil.copytree(model_path("tiny"), dst)
+    return dst
+
+
+def test_missing_config(copy_of_tiny):
+    (copy_of_tiny / "config.json").unlink()
+    with pytest.raises(ValueError, match="config.json"):
+        LLM(model=str(copy_of_tiny))
+
+
+def test_invalid_config_json(copy_of_tiny):
+    (copy_of_tiny / "config.json").write_text("{ not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        LLM(model=str(copy_of_tiny))
+
+
+def test_missing_weights(copy_of_tiny):
+    (copy_of_tiny / "model.safetensors").unlink()
+    with pytest.raises(ValueError, match="no model.safetensors"):
+        LLM(model=str(copy_of_tiny))
+
+
+def test_corrupt_weights(copy_of_tiny):
+    (copy_of_tiny / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00garbage!")
+    with pytest.raises(ValueError, match="corrupt"):
+        load_model(copy_of_tiny)
+
+
+def test_truncated_weights(copy_of_tiny):
+    f = copy_of_tiny / "model.safetensors"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    with pytest.raises(ValueError, match="corrupt|unreadable"):
+        load_model(copy_of_tiny)
+
+
+def test_missing_tensor_is_named(copy_of_tiny):
+    f = copy_of_tiny / "model.safetensors"
+    tensors = load_file(f)
+    del tensors["model.layers.1.self_attn.k_proj.weight"]
+    save_file(tensors, f)
+    with pytest.raises(ValueError, match="model.layers.1.self_attn.k_proj.weight"):
+        load_model(copy_of_tiny)
+
+
+def test_misshapen_tensor_is_named(copy_of_tiny):
+    f = copy_of_tiny / "model.safetensors"
+    tensors = load_file(f)
+    tensors["model.norm.weight"] = tensors["model.norm.weight"][:-1].clone()
+    save_file(tensors, f)
+    with pytest.raises(ValueError, match="model.norm.weight.*shape"):
+        load_model(copy_of_tiny)
+
+
+def test_unsupported_architecture_names_supported_ones(copy_of_tiny):
+    cfg = json.loads((copy_of_tiny / "config.json").read_text())
+    cfg["architectures"], cfg["model_type"] = ["GPT2LMHeadModel"], "gpt2"
+    (copy_of_tiny / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="LlamaForCausalLM.*Qwen2ForCausalLM.*MistralForCausalLM"):
+        LLM(model=str(copy_of_tiny))
+
+
+def test_unsupported_rope_type(copy_of_tiny):
+    cfg = json.loads((copy_of_tiny / "config.json").read_text())
+    cfg["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}
+    (copy_of_tiny / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="yarn.*llama3"):
+        LLM(model=str(copy_of_tiny))
+
+
+def test_model_given_as_a_file(copy_of_tiny):
+    with pytest.raises(ValueError, match="is a file"):
+        LLM(model=str(copy_of_tiny / "config.json"))
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(block_size=12), "block_size"),
+    (dict(block_size=0), "block_size"),
+    (dict(max_num_seqs=0), "max_num_seqs"),
+    (dict(max_num_batched_tokens=-5), "max_num_batched_tokens"),
+    (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
+    (dict(scheduling_policy="lifo"), "scheduling_policy"),
+    (dict(kv_cache_dtype="int3"), "kv_cache_dtype"),
+    (dict(quantization="int2"), "quantization"),
+    (dict(tensor_parallel_size=2), "tensor_parallel_size"),
+    (dict(pipeline_parallel_size=4), "pipeline_parallel_size"),
+    (dict(dtype="float64"), "dtype"),
+    (dict(device="tpu"), "device"),
+    (dict(max_model_len=100000), "max_model_len"),
+    (dict(speculative_config={"method": "magic"}), "method"),
+    (dict(num_kv_blocks=0), "num_kv_blocks"),
+])
+def test_bad_engine_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        LLM(model="tiny", **kwargs)
+
+
+def test_unknown_or_mistyped_engine_arguments():
+    with pytest.raises(TypeError):
+        LLM(model="tiny", max_num_seq=4)  # misspelled
+    with pytest.raises(TypeError, match="max_num_seqs"):
+        LLM(model="tiny", max_num_seqs="8")
+    with pytest.raises(TypeError, match="enable_prefix_caching"):
+        LLM(model="tiny", enable_prefix_caching="yes")
+
+
+@pytest.mark.parametrize("kwargs,exc,match", [
+    (dict(temperature=-0.1), ValueError, "temperature"),
+    (dict(temperature="hot"), TypeError, "temperature"),
+    (dict(temperature=float("nan")), ValueError, "temperature"),
+    (dict(top_p=0.0), ValueError, "top_p"),
+    (dict(top_p=1.5), ValueError, "top_p"),
+    (dict(top_k=-2), ValueError, "top_k"),
+    (dict(top_k=2.5), TypeError, "top_k"),
+    (dict(min_p=1.5), ValueError, "min_p"),
+    (dict(max_tokens=0), ValueError, "max_tokens"),
+    (dict(min_tokens=5, max_tokens=2), ValueError, "min_tokens"),
+    (dict(seed="x"), TypeError, "seed"),
+    (dict(stop=[""]), ValueError, "stop"),
+    (dict(stop_token_ids=[-1]), ValueError, "stop_token_ids"),
+    (dict(logprobs=-1), ValueError, "logprobs"),
+    (dict(n=2), ValueError, "n=2"),
+])
+def test_bad_sampling_params(kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_bad_prompts_are_rejected_and_the_engine_goes_on(tiny_llm):
+    before = tiny_llm.get_metrics()["num_requests"]
+    good = SamplingParams(temperature=0.0, max_tokens=4)
+    too_long = {"prompt_token_ids": [5] * tiny_llm.max_model_len}
+    for prompts, match in [
+        ([""], "empty"),
+        ([{"prompt_token_ids": []}], "no tokens"),
+        ([{"prompt_token_ids": [1, 99999]}], "outside the vocabulary"),
+        ([{"prompt_token_ids": "abc"}], "list of integers"),
+        (["def f():", too_long], "max_model_len"),
+        ([42], "string or a dict"),
+        ([], "non-empty"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            tiny_llm.generate(prompts, good, use_tqdm=False)
+    with pytest.raises(ValueError, match="one per"):
+        tiny_llm.generate(["a", "b"], [good], use_tqdm=False)
+    with pytest.raises(ValueError, match="scheduling_policy"):
+        tiny_llm.generate(["a"], good, priority=[0], use_tqdm=False)
+    assert tiny_llm.get_metrics()["num_requests"] == before  # nothing was admitted
+    out = tiny_llm.generate(["def f():"], good, use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_longest_allowed_prompt_generates_one_token():
+    llm = LLM(model="tiny", max_model_len=16)
+    out = llm.generate([{"prompt_token_ids": [5] * 15}], SamplingParams(max_tokens=8), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 1 and out[0].outputs[0].finish_reason == "length"

@@ -1,0 +1,59 @@
+"""The command line, and the package as a non-editable install would ship it."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def llmopt_cli(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "llmopt", *args], capture_output=True, text=True,
+                          cwd=cwd, timeout=600)
+
+
+def test_generate_prints_a_completion():
+    r = llmopt_cli("generate", "def fibonacci(n):", "--max-tokens", "8", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["prompt"] == "def fibonacci(n):" and len(out["token_ids"]) <= 8
+    assert out["finish_reason"] in ("stop", "length")
+
+
+@pytest.mark.parametrize("args,match", [
+    (["--max-tokens", "0"], "max_tokens"),
+    (["--temperature", "-1"], "temperature"),
+    (["--block-size", "10"], "block_size"),
+    (["--model", "nope"], "tiny-draft"),
+    (["--speculative-config", "{bad json"], "speculative-config"),
+    (["--kv-cache-dtype", "int4"], "kv-cache-dtype"),
+])
+def test_generate_rejects_bad_flags_with_a_message(args, match):
+    r = llmopt_cli("generate", "x", *args)
+    assert r.returncode == 2
+    assert match in r.stderr
+
+
+def test_non_editable_install_ships_the_kernels_and_models(tmp_path):
+    """`pip install .` must carry llmopt.kernels (mapped from kernels/) and the bundled models,
+    and must not install a top-level `kernels` module (transformers probes for that name)."""
+    target = tmp_path / "site"
+    r = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps",
+                        "--no-build-isolation", "--target", str(target), str(ROOT)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert not (target / "kernels").exists()
+    code = ("import llmopt, llmopt.kernels.rms_norm, pathlib;"
+            "assert 'site' in llmopt.__file__, llmopt.__file__;"
+            "print(sorted(llmopt.list_models()));"
+            "print((llmopt.model_path('tiny') / 'model.safetensors').stat().st_size)")
+    env = {**os.environ, "PYTHONPATH": str(target)}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path,
+                       env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.strip().splitlines()
+    assert lines[0] == "['tiny', 'tiny-draft']" and int(lines[1]) > 1_000_000
