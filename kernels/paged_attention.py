@@ -1,0 +1,307 @@
+"""PagedAttention: attention that reads keys and values from a pool of fixed-size blocks.
+
+A contiguous KV cache reserves room for the longest possible sequence; a paged one
+(vLLM's idea) cuts each layer's cache into blocks of `block_size` tokens and hands them
+out on demand. `k_cache` and `v_cache` are `[num_blocks, block_size, num_kv_heads,
+head_dim]`; sequence i owns the blocks listed in row i of `block_tables` (int32, padded
+with 0 past its last block), so the token at position p lives in block
+`block_tables[i, p // block_size]`, slot `p % block_size`. `write_kv` stores a step's
+new keys and values first, so attention reads every key, its own included, from the pool.
+
+The batch is flat, as in vLLM: `q` is `[num_tokens, num_heads, head_dim]`, the new tokens
+of every sequence one after another; `query_start_loc` (int32, num_seqs + 1) marks where
+each sequence's queries start, and `seq_lens` (int32) is each sequence's length after this
+step. Query j of a sequence with n new tokens sits at position `seq_len - n + j` and sees
+keys at positions <= its own (and > its own minus `sliding_window`, when one is set).
+With GQA, query head h reads kv head `h // (num_heads // num_kv_heads)`.
+
+`paged_attention_ref` says all this in plain torch. The two Triton kernels compute the
+same thing tile by tile with an online softmax (FlashAttention's running max and sum, in
+fp32), gathering each tile of keys through the block table: `paged_attention_decode` for
+one new token per sequence, `paged_attention_prefill` for any mix of prompts, prompt
+chunks and decodes. `paged_attention` picks one.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from llmopt.kernels import HAS_TRITON
+
+# The kernels hold a head in registers as one power-of-two block, and tl.dot needs >= 16.
+SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
+# tl.dot needs every dimension >= 16 when compiled for a GPU (the interpreter is laxer),
+# so query rows and key tiles are padded or grouped up to this.
+MIN_DOT = 16
+# "No sliding window" is a window longer than any sequence: one code path for both.
+NO_WINDOW = 1 << 30
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store new tokens' keys and values in the pool, before attention reads them.
+
+    k, v: [num_tokens, num_kv_heads, head_dim]; slot_mapping[t] = block * block_size + offset.
+    Viewing the pool as one long row of slots turns the write into a plain index_copy_.
+    """
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    slots = slot_mapping.long()
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k.to(k_cache.dtype))
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v.to(v_cache.dtype))
+
+
+def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        block_tables: torch.Tensor, query_start_loc: torch.Tensor,
+                        seq_lens: torch.Tensor, scale: float,
+                        sliding_window: int | None = None) -> torch.Tensor:
+    """The reference: one sequence at a time, gather its keys and values, masked softmax."""
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = q.shape[1] // num_kv_heads
+    out = torch.empty_like(q)
+    for i in range(seq_lens.shape[0]):
+        start, end = int(query_start_loc[i]), int(query_start_loc[i + 1])
+        seq_len, query_len = int(seq_lens[i]), end - start
+
+        # Follow the block table: the sequence's blocks, in order, then drop the unused
+        # tail of its last block.
+        blocks = block_tables[i, :(seq_len + block_size - 1) // block_size].long()
+        k = k_cache[blocks].flatten(0, 1)[:seq_len].float()      # [seq_len, Hkv, D]
+        v = v_cache[blocks].flatten(0, 1)[:seq_len].float()
+        k = k.repeat_interleave(group, dim=1)                      # GQA: [seq_len, Hq, D]
+        v = v.repeat_interleave(group, dim=1)
+
+        q_pos = torch.arange(seq_len - query_len, seq_len, device=q.device)[:, None]
+        k_pos = torch.arange(seq_len, device=q.device)[None, :]
+        allowed = k_pos <= q_pos
+        if sliding_window is not None:
+            allowed &= k_pos > q_pos - sliding_window
+
+        scores = torch.einsum("qhd,khd->hqk", q[start:end].float(), k) * scale
+        probs = scores.masked_fill(~allowed, float("-inf")).softmax(dim=-1)
+        out[start:end] = torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
+    return out
+
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _load_kv_tile(k_cache_ptr, v_cache_ptr, block_table_ptr, k_pos, k_ok, kv_head, dims,
+                      stride_block, stride_slot, stride_head, BLOCK_SIZE: tl.constexpr):
+        """Gather keys and values at positions k_pos of one sequence through its block table.
+
+        Each position looks up its own block, so one tile may span several small blocks or
+        part of a large one. Masked-off positions read nothing and come back as zeros.
+        """
+        block = tl.load(block_table_ptr + k_pos // BLOCK_SIZE, mask=k_ok, other=0)
+        # int64 so that block * stride cannot overflow in a pool of more than 2**31 elements.
+        row = block.to(tl.int64) * stride_block + (k_pos % BLOCK_SIZE) * stride_slot
+        offsets = row[:, None] + kv_head * stride_head + dims[None, :]
+        k = tl.load(k_cache_ptr + offsets, mask=k_ok[:, None], other=0.0)
+        v = tl.load(v_cache_ptr + offsets, mask=k_ok[:, None], other=0.0)
+        return k, v
+
+    @triton.jit
+    def _online_softmax_step(q, k, v, allowed, m_i, l_i, acc, scale,
+                             DOT_PRECISION: tl.constexpr):
+        """Fold one tile of keys into the running max m_i, sum l_i and output acc (all fp32)."""
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
+        s = tl.where(allowed, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # Rescale what was summed under the old max; a masked key contributes exp(-inf) = 0.
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        return m_new, l_i, acc
+
+    @triton.jit
+    def _paged_decode_kernel(
+            out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
+            scale, window,
+            stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
+            stride_block, stride_slot, stride_head, stride_table,
+            QUERIES_PER_KV: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+            BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        seq = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        seq_len = tl.load(seq_lens_ptr + seq)
+        q_pos = seq_len - 1
+
+        # The query heads sharing this kv head are the rows of one matrix, so each key tile
+        # is loaded once for all of them; rows past QUERIES_PER_KV are padding for tl.dot.
+        rows = tl.arange(0, GROUP_PAD)
+        row_ok = rows < QUERIES_PER_KV
+        heads = kv_head * QUERIES_PER_KV + rows
+        dims = tl.arange(0, HEAD_DIM)
+        q = tl.load(q_ptr + seq * stride_q_tok + heads[:, None] * stride_q_head + dims[None, :],
+                    mask=row_ok[:, None], other=0.0)
+
+        # A finite start for the max keeps exp(m_i - m_new) a number even before any key.
+        m_i = tl.full([GROUP_PAD], -1e30, dtype=tl.float32)
+        l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
+        acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
+
+        # Tiles wholly before the sliding window are skipped, not just masked.
+        lo = tl.maximum(q_pos - window + 1, 0) // BLOCK_N * BLOCK_N
+        block_table_ptr = block_tables_ptr + seq * stride_table
+        for start in range(lo, seq_len, BLOCK_N):
+            k_pos = start + tl.arange(0, BLOCK_N)
+            k_ok = k_pos < seq_len
+            k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, block_table_ptr, k_pos, k_ok,
+                                 kv_head, dims, stride_block, stride_slot, stride_head,
+                                 BLOCK_SIZE)
+            allowed = (k_ok & (k_pos > q_pos - window))[None, :]
+            m_i, l_i, acc = _online_softmax_step(q, k, v, allowed, m_i, l_i, acc, scale,
+                                                 DOT_PRECISION)
+
+        out = acc / l_i[:, None]
+        tl.store(out_ptr + seq * stride_o_tok + heads[:, None] * stride_o_head + dims[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+    @triton.jit
+    def _paged_prefill_kernel(
+            out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr,
+            seq_lens_ptr, scale, window,
+            stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
+            stride_block, stride_slot, stride_head, stride_table,
+            QUERIES_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        q_tile = tl.program_id(0)
+        seq = tl.program_id(1)
+        head = tl.program_id(2)
+        kv_head = head // QUERIES_PER_KV
+
+        # The grid is sized for the longest query; shorter sequences have idle tiles.
+        q_start = tl.load(query_start_loc_ptr + seq)
+        query_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+        if q_tile * BLOCK_M >= query_len:
+            return
+        seq_len = tl.load(seq_lens_ptr + seq)
+        context_len = seq_len - query_len    # tokens cached before this step's chunk
+
+        rows = q_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = rows < query_len
+        q_pos = context_len + rows
+        dims = tl.arange(0, HEAD_DIM)
+        q = tl.load(q_ptr + (q_start + rows)[:, None] * stride_q_tok + head * stride_q_head
+                    + dims[None, :], mask=row_ok[:, None], other=0.0)
+
+        m_i = tl.full([BLOCK_M], -1e30, dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+
+        # This tile's queries see keys from its first query's window start up to its last
+        # query's own position: causality bounds the loop, not only the mask.
+        first_pos = context_len + q_tile * BLOCK_M
+        end_pos = tl.minimum(first_pos + BLOCK_M, seq_len)
+        lo = tl.maximum(first_pos - window + 1, 0) // BLOCK_N * BLOCK_N
+        block_table_ptr = block_tables_ptr + seq * stride_table
+        for start in range(lo, end_pos, BLOCK_N):
+            k_pos = start + tl.arange(0, BLOCK_N)
+            k_ok = k_pos < end_pos
+            k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, block_table_ptr, k_pos, k_ok,
+                                 kv_head, dims, stride_block, stride_slot, stride_head,
+                                 BLOCK_SIZE)
+            allowed = ((k_pos[None, :] <= q_pos[:, None])
+                       & (k_pos[None, :] > q_pos[:, None] - window) & k_ok[None, :])
+            m_i, l_i, acc = _online_softmax_step(q, k, v, allowed, m_i, l_i, acc, scale,
+                                                 DOT_PRECISION)
+
+        # Padding rows past query_len saw no key; keep their division finite, they are not stored.
+        out = acc / tl.where(row_ok, l_i, 1.0)[:, None]
+        tl.store(out_ptr + (q_start + rows)[:, None] * stride_o_tok + head * stride_o_head
+                 + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+def _check_and_tile(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    sliding_window: int | None):
+    """Shared checks; returns (queries_per_kv, keys per tile, window, dot precision)."""
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    assert v_cache.shape == k_cache.shape and v_cache.stride() == k_cache.stride(), \
+        "k_cache and v_cache must have the same shape and layout"
+    assert k_cache.stride(-1) == 1, "the cache's head_dim must be contiguous"
+    assert head_dim in SUPPORTED_HEAD_DIMS, \
+        f"head_dim must be one of {SUPPORTED_HEAD_DIMS}, got {head_dim}"
+    assert block_size >= 8 and block_size & (block_size - 1) == 0, \
+        f"block_size must be a power of two >= 8, got {block_size}"
+    assert q.shape[-1] == head_dim and q.shape[1] % num_kv_heads == 0, \
+        "q must be [num_tokens, num_heads, head_dim] with num_heads a multiple of num_kv_heads"
+    assert q.dtype == k_cache.dtype, "q and the cache must share a dtype (tl.dot needs it)"
+    assert sliding_window is None or sliding_window >= 1
+    # One block per tile, or several small blocks together so a tile has >= 16 keys.
+    block_n = max(block_size, MIN_DOT)
+    window = NO_WINDOW if sliding_window is None else sliding_window
+    # fp32 inputs would otherwise go through TF32 tensor cores on the GPU (10-bit mantissa).
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    return q.shape[1] // num_kv_heads, block_n, window, precision
+
+
+def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                           sliding_window: int | None = None) -> torch.Tensor:
+    """One new token per sequence: q [num_seqs, num_heads, head_dim], its key already cached.
+
+    One program per (sequence, kv head) walks the sequence's blocks in order.
+    """
+    queries_per_kv, block_n, window, precision = _check_and_tile(q, k_cache, v_cache,
+                                                                 sliding_window)
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    num_seqs, num_kv_heads = seq_lens.shape[0], k_cache.shape[2]
+    _paged_decode_kernel[(num_seqs, num_kv_heads)](
+        out, q, k_cache, v_cache, block_tables, seq_lens, scale, window,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        QUERIES_PER_KV=queries_per_kv,
+        GROUP_PAD=max(MIN_DOT, triton.next_power_of_2(queries_per_kv)),
+        HEAD_DIM=k_cache.shape[3], BLOCK_SIZE=k_cache.shape[1], BLOCK_N=block_n,
+        DOT_PRECISION=precision)
+    return out
+
+
+def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_tables: torch.Tensor, query_start_loc: torch.Tensor,
+                            seq_lens: torch.Tensor, scale: float,
+                            sliding_window: int | None = None,
+                            max_query_len: int | None = None) -> torch.Tensor:
+    """Any batch of prompts, prompt chunks after cached context, and decodes, in one call.
+
+    One program per (tile of BLOCK_M queries, sequence, query head). Pass max_query_len
+    when it is known (the scheduler knows it) to spare a device-to-host sync.
+    """
+    queries_per_kv, block_n, window, precision = _check_and_tile(q, k_cache, v_cache,
+                                                                 sliding_window)
+    if max_query_len is None:
+        max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
+    # Short chunks waste fewer padding rows in small tiles; long prompts reuse each
+    # loaded key tile across more queries in big ones.
+    block_m = min(64, max(MIN_DOT, triton.next_power_of_2(max_query_len)))
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    num_seqs, num_heads = seq_lens.shape[0], q.shape[1]
+    grid = (triton.cdiv(max_query_len, block_m), num_seqs, num_heads)
+    _paged_prefill_kernel[grid](
+        out, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, window,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        QUERIES_PER_KV=queries_per_kv, HEAD_DIM=k_cache.shape[3], BLOCK_SIZE=k_cache.shape[1],
+        BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION=precision)
+    return out
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    block_tables: torch.Tensor, query_start_loc: torch.Tensor,
+                    seq_lens: torch.Tensor, scale: float, sliding_window: int | None = None,
+                    max_query_len: int | None = None) -> torch.Tensor:
+    """The decode kernel when every sequence brings exactly one token, else the prefill one.
+
+    Every sequence brings at least one token, so num_tokens == num_seqs means all are
+    decodes: a test on shapes, with no sync on the device.
+    """
+    if max_query_len == 1 or (max_query_len is None and q.shape[0] == seq_lens.shape[0]):
+        return paged_attention_decode(q, k_cache, v_cache, block_tables, seq_lens, scale,
+                                      sliding_window)
+    return paged_attention_prefill(q, k_cache, v_cache, block_tables, query_start_loc,
+                                   seq_lens, scale, sliding_window, max_query_len)
