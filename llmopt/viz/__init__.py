@@ -1,1 +1,10 @@
-"""Widgets and plots for the lessons (ipywidgets, plotly); the engine never imports this."""
+"""Widgets and plots for the lessons (ipywidgets, plotly); the engine never imports this.
+
+Each view comes in three forms built from the same numbers: a function that computes them,
+a plotly figure or ipywidgets panel that shows them, and a plain-text table for viewers
+that draw neither.
+"""
+
+from llmopt.viz.notebook import check_answer, format_table, in_colab, setup_notebook
+
+__all__ = ["check_answer", "format_table", "in_colab", "setup_notebook"]

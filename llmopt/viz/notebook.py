@@ -34,20 +34,24 @@ def setup_notebook() -> str:
     return renderer
 
 
-def format_table(rows: list[dict], columns: list[str] | None = None, floatfmt: str = ",.2f") -> str:
-    """A fixed-width text table: numbers right-aligned with thousands separators, text left."""
+def format_table(rows: list[dict], columns: list[str] | None = None, floatfmt: str = ",.2f",
+                 id_columns: tuple[str, ...] = ("token_id", "id", "position")) -> str:
+    """A fixed-width text table: numbers right-aligned with thousands separators, text left.
+
+    Columns named in `id_columns` hold labels, not quantities: no separators there.
+    """
     columns = columns or list(rows[0])
 
-    def cell(v):
+    def cell(v, column):
         if isinstance(v, bool) or v is None:
             return "-" if v is None else str(v)
         if isinstance(v, int):
-            return f"{v:,}"
+            return str(v) if column in id_columns else f"{v:,}"
         if isinstance(v, Number):
             return format(v, floatfmt)
         return str(v)
 
-    cells = [[cell(r.get(c)) for c in columns] for r in rows]
+    cells = [[cell(r.get(c), c) for c in columns] for r in rows]
     numeric = [all(isinstance(r.get(c), Number) and not isinstance(r.get(c), bool) or r.get(c) is None
                    for r in rows) for c in columns]
     widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
@@ -62,13 +66,13 @@ def format_table(rows: list[dict], columns: list[str] | None = None, floatfmt: s
 
 
 def check_answer(name: str, get_answer: Callable[[], object], expected, hint: str = "",
-                 rel_tol: float = 0.0) -> bool:
+                 rel_tol: float = 0.0) -> None:
     """Run the learner's answer and say whether it is right; an unanswered exercise is no error."""
     try:
         answer = get_answer()
     except (NotImplementedError, NameError):
         print(f"{name}: not answered yet. Fill in the exercise cell above, run it, then run this cell.")
-        return False
+        return
     if isinstance(expected, Number) and isinstance(answer, Number) and not isinstance(answer, bool):
         right = abs(answer - expected) <= rel_tol * abs(expected)
     else:
@@ -77,7 +81,6 @@ def check_answer(name: str, get_answer: Callable[[], object], expected, hint: st
         print(f"{name}: correct ({_show(answer)}).")
     else:
         print(f"{name}: not yet: your answer is {_show(answer)}. {hint}".rstrip())
-    return right
 
 
 def _show(v) -> str:
@@ -105,9 +108,12 @@ def show_outputs(out: widgets.Output, *items) -> None:
     Setting the widget's outputs directly (instead of `with out: display(...)`) keeps these
     displays inside the widget whichever client runs the cell: a browser, nbclient or nbval.
     """
-    out.outputs = ()
+    outputs = []
     for item in items:
         if isinstance(item, str):
-            out.append_stdout(item if item.endswith("\n") else item + "\n")
-        else:
-            out.append_display_data(item)
+            outputs.append({"output_type": "stream", "name": "stdout",
+                            "text": item if item.endswith("\n") else item + "\n"})
+        else:  # a plotly figure renders itself with the renderer setup_notebook chose
+            outputs.append({"output_type": "display_data", "data": item._repr_mimebundle_(),
+                            "metadata": {}})
+    out.outputs = tuple(outputs)

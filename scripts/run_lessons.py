@@ -1,0 +1,86 @@
+"""Regenerate the stored outputs of the lesson notebooks, headlessly and the same way every time.
+
+Each notebook runs top to bottom in a fresh `python3` kernel (the interpreter running this
+script), from the lessons/ folder, with hash seeds and the plotly renderer fixed, and is
+written back in place. nbval then compares a fresh run against these stored outputs, so
+outputs are never edited by hand: change a notebook's code, run this, commit both.
+
+    python scripts/run_lessons.py                       # every lessons/*.ipynb
+    python scripts/run_lessons.py lessons/01_kv_cache.ipynb
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import nbformat
+from nbclient import NotebookClient
+
+LESSONS = Path(__file__).resolve().parents[1] / "lessons"
+KERNEL = "python3"
+MAX_BYTES = 1_000_000
+# Signs of plotly.js embedded in an output (the "notebook" or "iframe" renderers), which would
+# put megabytes into the file: figures must be stored as plotly's JSON mimetype only.
+EMBEDDED_PLOTLY = ("window.PlotlyConfig", "plotly-latest", "cdn.plot.ly")
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+
+KERNEL_ENV = {
+    "PYTHONHASHSEED": "0",                 # set/dict orders inside the kernel are the same every run
+    "PLOTLY_RENDERER": "plotly_mimetype",  # llmopt.viz.setup_notebook() picks the same
+    "HF_HUB_OFFLINE": "1",                 # lessons run offline
+    "TRANSFORMERS_VERBOSITY": "error",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+def run(path: Path, timeout: int) -> float:
+    nb = nbformat.read(path, as_version=4)
+    nb.metadata["kernelspec"] = {"name": KERNEL, "display_name": "Python 3 (ipykernel)", "language": "python"}
+    client = NotebookClient(nb, kernel_name=KERNEL, timeout=timeout, record_timing=False,
+                            store_widget_state=False, resources={"metadata": {"path": str(path.parent)}})
+    start = time.perf_counter()
+    client.execute()
+    seconds = time.perf_counter() - start
+    for cell in nb.cells:
+        for out in cell.get("outputs", []):
+            # A stored widget view points at a kernel-side model that no longer exists; keep only
+            # its text form, which says to run the notebook (nbval never compares the view anyway).
+            out.get("data", {}).pop(WIDGET_VIEW, None)
+    nb.metadata.pop("widgets", None)
+    nbformat.write(nb, path)
+    return seconds
+
+
+def check(path: Path) -> list[str]:
+    text = path.read_text()
+    problems = [f"embeds plotly.js ({s!r})" for s in EMBEDDED_PLOTLY if s in text]
+    if len(text.encode()) > MAX_BYTES:
+        problems.append(f"is {len(text.encode()):,} bytes; the limit is {MAX_BYTES:,}")
+    return problems
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("notebooks", nargs="*", type=Path, help="default: every lessons/*.ipynb")
+    parser.add_argument("--timeout", type=int, default=900, help="seconds allowed per cell")
+    args = parser.parse_args()
+    os.environ.update(KERNEL_ENV)  # the kernel inherits this process's environment
+    paths = [p.resolve() for p in args.notebooks] or sorted(LESSONS.glob("*.ipynb"))
+    failed = False
+    for path in paths:
+        print(f"{path.name}: running...", flush=True)
+        seconds = run(path, args.timeout)
+        problems = check(path)
+        size = path.stat().st_size
+        print(f"{path.name}: {seconds:.0f} s, {size / 1e3:,.0f} kB" + (
+            "" if not problems else "; " + "; ".join(problems)), flush=True)
+        failed |= bool(problems)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
