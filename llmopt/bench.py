@@ -41,6 +41,8 @@ def kv_cache_table(llm, lengths: list[int], prompt: str = "def ", progress: bool
         from tqdm.auto import tqdm
 
         bar = tqdm(items, desc="kv-cache bench", unit="run")
+    for loop in (generate_naive, generate_with_cache):  # warm up (allocator, thread pools)
+        time_generation(llm, loop, prompt_ids, 8)
     results = {}
     for n, name, loop in (bar or items):
         results[(n, name)] = time_generation(llm, loop, prompt_ids, n)

@@ -40,6 +40,10 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     enforce_eager: bool = False
+    # Not in vLLM's LLM signature but in its spirit: the CPU KV budget (vLLM reads the
+    # VLLM_CPU_KVCACHE_SPACE environment variable), and an opt-in per-step trace.
+    cpu_kv_cache_space: float = 0.25  # GiB of RAM for the KV block pool on CPU (Binder has ~2)
+    enable_trace: bool = False
 
     def __post_init__(self):
         _positive_int("block_size", self.block_size)
@@ -54,7 +58,10 @@ class EngineConfig:
             _positive_int("max_model_len", self.max_model_len)
         _positive_int("max_num_seqs", self.max_num_seqs)
         _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
-        for name in ("enable_chunked_prefill", "enable_prefix_caching", "enforce_eager"):
+        _real("cpu_kv_cache_space", self.cpu_kv_cache_space)
+        if not self.cpu_kv_cache_space > 0:
+            raise ValueError(f"cpu_kv_cache_space (GiB) must be > 0, got {self.cpu_kv_cache_space}")
+        for name in ("enable_chunked_prefill", "enable_prefix_caching", "enforce_eager", "enable_trace"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.scheduling_policy not in ("fcfs", "priority"):

@@ -202,6 +202,24 @@ def round_to_bf16(model):
     return model
 
 
+def portable_tokenizer_config(folder: Path) -> None:
+    """Write tokenizer_config.json so that transformers 4.x loads it as well as 5.x does.
+
+    transformers 5 names the class TokenizersBackend (4.x does not know it; 5.x keeps
+    PreTrainedTokenizerFast as an alias) and lists extra special tokens under a key that
+    4.x reads as a dict; the chat template also goes inline, where 4.x looks for it.
+    """
+    path = folder / "tokenizer_config.json"
+    cfg = json.loads(path.read_text())
+    cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    extra = cfg.pop("extra_special_tokens", None)
+    if isinstance(extra, list):
+        cfg["additional_special_tokens"] = extra
+    cfg.pop("backend", None)
+    cfg["chat_template"] = CHAT_TEMPLATE
+    path.write_text(json.dumps(cfg, indent=2) + "\n")
+
+
 def save(model, tokenizer, out: Path, report: dict):
     from transformers import GenerationConfig
 
@@ -210,6 +228,7 @@ def save(model, tokenizer, out: Path, report: dict):
     model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
     model.to(torch.float32)
     tokenizer.save_pretrained(out)
+    portable_tokenizer_config(out)
     GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                      pad_token_id=tokenizer.pad_token_id, do_sample=False,
                      max_new_tokens=128).save_pretrained(out)

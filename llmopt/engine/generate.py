@@ -18,7 +18,6 @@ import torch
 from llmopt.engine.kv_cache import ContiguousKVCache, NoKVCache
 from llmopt.engine.sequence import Sequence, SequenceStatus
 from llmopt.layers.sampler import sample, top_logprobs
-from llmopt.outputs import Logprob
 
 
 @torch.inference_mode()
@@ -87,14 +86,9 @@ def _sample_and_check(running, logits, eos_token_ids, max_model_len, tokenizer, 
     for i, (s, t) in enumerate(zip(running, tokens.tolist())):
         s.append_token(t, now)
         if s.params.logprobs is not None:
-            lp = float(chosen[i])
-            s.cumulative_logprob += lp
-            entry = {t: Logprob(lp, int(ranks[i]))}
-            for v, j in zip(top_v[i, :s.params.logprobs].tolist(), top_i[i, :s.params.logprobs].tolist()):
-                entry.setdefault(j, Logprob(v, None))
-            for r, j in enumerate(top_i[i, :s.params.logprobs].tolist()):
-                entry[j].rank = r + 1
-            s.logprobs.append(entry)
+            k = s.params.logprobs
+            s.record_logprobs(t, float(chosen[i]), int(ranks[i]),
+                              top_v[i, :k].tolist() if k else [], top_i[i, :k].tolist() if k else [])
         s.check_stop(eos_token_ids, max_model_len, tokenizer)
         if s.is_finished:
             if on_finish is not None:

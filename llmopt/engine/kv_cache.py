@@ -132,3 +132,96 @@ class ContiguousKVCache(KVCache):
     def bytes_used(self) -> int:
         per_token = self.bytes_reserved // (len(self.lens) * self.max_len)
         return sum(self.lens) * per_token
+
+
+@dataclass
+class PagedBatch:
+    """The flat step layout for paged attention (vLLM's attention metadata)."""
+
+    query_lens: list[int]
+    context_lens: list[int]           # tokens already cached before this step
+    block_tables: list[list[int]]     # per sequence, its blocks in order
+    slot_mapping: torch.Tensor        # [num_tokens] block * block_size + offset of each new token
+    block_table_tensor: torch.Tensor  # [num_seqs, max_blocks] int32, padded with 0
+    query_start_loc: torch.Tensor     # [num_seqs + 1] int32
+    seq_lens_tensor: torch.Tensor     # [num_seqs] int32
+
+    @property
+    def seq_lens(self) -> list[int]:
+        return [c + q for c, q in zip(self.context_lens, self.query_lens)]
+
+
+class PagedKVCache(KVCache):
+    """Per layer, a pool of blocks `[num_blocks, block_size, num_kv_heads, head_dim]` for K and V.
+
+    Each step first writes the new tokens' keys and values into their slots (the
+    `slot_mapping`), then attends every query over its sequence's blocks, found through
+    the block table. On CUDA the Triton kernels in `llmopt.kernels.paged_attention` do
+    this; on CPU a torch path does (one batched call for decodes, one call per prefill).
+    """
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype = torch.float32, device="cpu"):
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        # Zeros, not empty: the torch path multiplies masked-out (padding) slots by a zero
+        # attention weight, and 0 x NaN from uninitialized memory would still be NaN.
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.num_blocks, self.block_size = num_blocks, block_size
+        # the Triton kernels cover the head sizes real models use; anything else stays on torch
+        self.use_triton = torch.device(device).type == "cuda" and head_dim in (16, 32, 64, 128)
+
+    @staticmethod
+    def bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype) -> int:
+        return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    def begin_step(self, batch: PagedBatch) -> None:
+        self.batch = batch
+        decode = [i for i, n in enumerate(batch.query_lens) if n == 1]
+        self._decode_rows = decode
+        if decode:
+            dev = self.k[0].device
+            self._decode_index = torch.tensor(decode, device=dev)
+            # the token index of each decode sequence's query in the flat batch
+            self._decode_tokens = batch.query_start_loc[:-1].long()[self._decode_index]
+            self._decode_lens = batch.seq_lens_tensor.long()[self._decode_index]
+            nb = -(-max(batch.seq_lens[i] for i in decode) // self.block_size)
+            self._decode_tables = batch.block_table_tensor[self._decode_index, :nb].long()
+
+    def attend(self, layer, q, k, v, scale, window=None):
+        K, V, b = self.k[layer], self.v[layer], self.batch
+        K.view(-1, *K.shape[2:])[b.slot_mapping] = k
+        V.view(-1, *V.shape[2:])[b.slot_mapping] = v
+        if self.use_triton:
+            from llmopt.kernels.paged_attention import paged_attention
+
+            return paged_attention(q, K, V, b.block_table_tensor, b.query_start_loc, b.seq_lens_tensor,
+                                   scale, window, max_query_len=max(b.query_lens))
+        return self._attend_torch(q, k, v, K, V, scale, window)
+
+    def _attend_torch(self, q, k, v, K, V, scale, window):
+        b = self.batch
+        out = torch.empty_like(q)
+        if self._decode_rows:
+            # gather every decode sequence's blocks into a padded [B, Hkv, L, D] batch
+            B, nb = self._decode_tables.shape
+            kg = K[self._decode_tables].reshape(B, nb * self.block_size, *K.shape[2:]).transpose(1, 2)
+            vg = V[self._decode_tables].reshape(B, nb * self.block_size, *V.shape[2:]).transpose(1, 2)
+            out[self._decode_tokens] = batched_decode_attention(
+                q[self._decode_tokens], kg, vg, self._decode_lens, scale, window)
+        if len(self._decode_rows) == len(b.query_lens):
+            return out
+        starts = b.query_start_loc.tolist()
+        for i, (n, ctx) in enumerate(zip(b.query_lens, b.context_lens)):
+            if n == 1:
+                continue
+            s, e = starts[i], starts[i] + n
+            if ctx == 0:  # a whole prompt: its keys are exactly this step's keys
+                keys, values = k[s:e], v[s:e]
+            else:         # a chunk after cached context: read the context from the blocks
+                nb = -(-(ctx + n) // self.block_size)
+                blocks = torch.tensor(b.block_tables[i][:nb], device=K.device)
+                keys = K[blocks].flatten(0, 1)[:ctx + n]
+                values = V[blocks].flatten(0, 1)[:ctx + n]
+            out[s:e] = sequence_attention(q[s:e], keys, values, scale, window)
+        return out

@@ -14,14 +14,16 @@ from llmopt.sampling_params import SamplingParams
 class SequenceStatus(Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    PREEMPTED = "preempted"  # back in the queue, its KV freed, to be recomputed
     FINISHED = "finished"
 
 
 class Sequence:
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                  params: SamplingParams, generator: torch.Generator | None = None,
-                 arrival_time: float | None = None):
+                 arrival_time: float | None = None, priority: int = 0):
         self.request_id = request_id
+        self.priority = priority
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
@@ -34,6 +36,10 @@ class Sequence:
         self.cumulative_logprob = 0.0
         self.logprobs: list[dict[int, Logprob]] = []
         self.metrics = RequestMetrics(arrival_time if arrival_time is not None else time.perf_counter())
+        # paged engine state: how many of token_ids have their KV in the cache
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0   # prompt tokens found in the prefix cache
+        self.num_preemptions = 0
 
     @property
     def token_ids(self) -> list[int]:
@@ -41,6 +47,10 @@ class Sequence:
 
     def __len__(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self)
 
     @property
     def is_finished(self) -> bool:
@@ -52,6 +62,17 @@ class Sequence:
             self.metrics.first_token_time = now
         self.metrics.last_token_time = now
         self.metrics.token_times.append(now)
+
+    def record_logprobs(self, token_id: int, logprob: float, rank: int, top_values: list[float],
+                        top_ids: list[int]) -> None:
+        self.cumulative_logprob += logprob
+        entry = {token_id: Logprob(logprob, rank)}
+        for r, (v, j) in enumerate(zip(top_values, top_ids)):
+            if j in entry:
+                entry[j].rank = r + 1
+            else:
+                entry[j] = Logprob(v, r + 1)
+        self.logprobs.append(entry)
 
     def check_stop(self, eos_token_ids: set[int], max_model_len: int, tokenizer) -> None:
         """Decide after each new token whether the request is done, in vLLM's order."""
@@ -81,8 +102,14 @@ class Sequence:
 
     def finalize_text(self, tokenizer) -> None:
         """Detokenize once at the end, unless a stop string already cut the text."""
-        if not isinstance(self.stop_reason, str) and tokenizer is not None:
+        if tokenizer is None:
+            return
+        if not isinstance(self.stop_reason, str):
             self.output_text = self.decode(tokenizer)
+        for entry in self.logprobs:
+            for tid, lp in entry.items():
+                if lp.decoded_token is None:
+                    lp.decoded_token = tokenizer.decode([tid])
 
     def _finish(self, reason: str, stop_reason) -> None:
         self.status = SequenceStatus.FINISHED

@@ -1,0 +1,170 @@
+"""The block manager: KV memory as a pool of fixed-size blocks (PagedAttention).
+
+A sequence's KV cache is not one contiguous strip but a list of blocks, each holding
+`block_size` tokens, found through the sequence's *block table*. Blocks are handed out
+as tokens arrive, so memory is reserved for at most `block_size - 1` tokens a sequence
+does not use, instead of its whole `max_model_len`.
+
+Prefix caching rides on the same blocks. A full block is named by a hash of its tokens
+chained to the hash of the block before it (as vLLM does), so equal hashes mean equal
+prefixes. A new request first looks its full blocks up by hash and shares what it finds
+(ref count + 1) instead of recomputing it. A block whose ref count drops to 0 keeps its
+contents and hash and joins the free queue; it is evicted (its hash forgotten) only when
+the pool reuses it, least recently freed first.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: int | None = None  # set once the block is full and its tokens are known
+
+
+def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
+    """Chain hash: a block's identity is its tokens *and* everything before them."""
+    return hash((parent_hash, token_ids))
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # Free blocks, least recently freed first. Popping from the front evicts the
+        # coldest cached block; a cache hit on a free block takes it out of the middle.
+        self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.cached: dict[int, int] = {}         # block hash -> block id
+        self.block_tables: dict[str, list[int]] = {}
+        self.block_hashes: dict[str, list[int]] = {}  # hashes of each sequence's full blocks
+        # counters the metrics and the trace read
+        self.prefix_queries = self.prefix_hits = 0    # in tokens, as vLLM counts them
+        self.step_allocated: list[int] = []
+        self.step_freed: list[int] = []
+
+    # -- accounting --------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    @property
+    def usage(self) -> float:
+        """Share of blocks held by running sequences (cached-but-free blocks count as free)."""
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # -- prefix cache lookup -------------------------------------------------------------------
+    def find_cached_prefix(self, seq_id: str, token_ids: list[int]) -> list[int]:
+        """Blocks already holding this sequence's leading full blocks.
+
+        At most `len(token_ids) - 1` tokens may hit: the last token must be computed
+        anyway, because its logits are what the next token is sampled from.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        hits, parent = [], None
+        max_blocks = (len(token_ids) - 1) // self.block_size
+        for i in range(max_blocks):
+            h = hash_block(parent, tuple(token_ids[i * self.block_size:(i + 1) * self.block_size]))
+            block_id = self.cached.get(h)
+            if block_id is None:
+                break
+            hits.append(block_id)
+            parent = h
+        return hits
+
+    def record_prefix_query(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Counted when a request is admitted, not at every attempt while it waits."""
+        if self.enable_prefix_caching:
+            self.prefix_queries += num_tokens
+            self.prefix_hits += num_hit_tokens
+
+    # -- allocation ------------------------------------------------------------------------------
+    def can_allocate(self, seq_id: str, num_tokens: int, cached_blocks: list[int] = ()) -> bool:
+        have = len(self.block_tables.get(seq_id, ())) + len(cached_blocks)
+        new = max(0, self.blocks_needed(num_tokens) - have)
+        # a cache hit on a free block takes it off the free queue too
+        reused_free = sum(1 for b in cached_blocks if self.blocks[b].ref_cnt == 0)
+        return new + reused_free <= self.num_free_blocks
+
+    def allocate(self, seq_id: str, num_tokens: int, cached_blocks: list[int] = ()) -> bool:
+        """Make the sequence's block table cover `num_tokens` tokens. False if memory is short
+        (then nothing changes)."""
+        if not self.can_allocate(seq_id, num_tokens, cached_blocks):
+            return False
+        table = self.block_tables.setdefault(seq_id, [])
+        hashes = self.block_hashes.setdefault(seq_id, [])
+        for b in cached_blocks:
+            block = self.blocks[b]
+            if block.ref_cnt == 0:
+                del self.free_queue[b]
+            block.ref_cnt += 1
+            table.append(b)
+            hashes.append(block.block_hash)
+        while len(table) < self.blocks_needed(num_tokens):
+            table.append(self._pop_free())
+        return True
+
+    def _pop_free(self) -> int:
+        block_id, _ = self.free_queue.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.block_hash is not None:  # evict: its contents are about to be overwritten
+            if self.cached.get(block.block_hash) == block_id:
+                del self.cached[block.block_hash]
+            block.block_hash = None
+        block.ref_cnt = 1
+        self.step_allocated.append(block_id)
+        return block_id
+
+    def cache_full_blocks(self, seq_id: str, token_ids: list[int], num_computed: int) -> None:
+        """Register every block whose `block_size` tokens are now all computed."""
+        if not self.enable_prefix_caching:
+            return
+        table, hashes = self.block_tables[seq_id], self.block_hashes[seq_id]
+        full = min(num_computed // self.block_size, len(table))
+        for i in range(len(hashes), full):
+            parent = hashes[i - 1] if i else None
+            h = hash_block(parent, tuple(token_ids[i * self.block_size:(i + 1) * self.block_size]))
+            hashes.append(h)
+            block = self.blocks[table[i]]
+            if block.block_hash is None and h not in self.cached:
+                block.block_hash = h
+                self.cached[h] = block.block_id
+
+    def free(self, seq_id: str) -> None:
+        """Release a sequence's blocks. Tail blocks are freed first, so they are evicted
+        before the shared prefix blocks that other requests are more likely to reuse."""
+        table = self.block_tables.pop(seq_id, [])
+        self.block_hashes.pop(seq_id, None)
+        for b in reversed(table):
+            block = self.blocks[b]
+            block.ref_cnt -= 1
+            assert block.ref_cnt >= 0, f"block {b} freed twice"
+            if block.ref_cnt == 0:
+                self.free_queue[b] = None
+                self.step_freed.append(b)
+
+    def reset_prefix_cache(self) -> None:
+        for h, b in list(self.cached.items()):
+            if self.blocks[b].ref_cnt == 0:
+                self.blocks[b].block_hash = None
+                del self.cached[h]
+
+    # -- invariants (the property tests call this) ----------------------------------------------
+    def check_invariants(self) -> None:
+        held: dict[int, int] = {}
+        for table in self.block_tables.values():
+            for b in table:
+                held[b] = held.get(b, 0) + 1
+        for block in self.blocks:
+            assert block.ref_cnt == held.get(block.block_id, 0), f"block {block.block_id} ref count"
+            assert (block.ref_cnt == 0) == (block.block_id in self.free_queue), f"block {block.block_id}"
+        for h, b in self.cached.items():
+            assert self.blocks[b].block_hash == h

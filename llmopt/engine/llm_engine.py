@@ -1,0 +1,283 @@
+"""The engine: requests in, one scheduled step at a time, outputs streamed out.
+
+    engine.add_request("r1", "def f(x):", SamplingParams(max_tokens=32))
+    while engine.has_unfinished_requests():
+        for out in engine.step():        # one forward pass over the whole running batch
+            print(out.request_id, out.outputs[0].text)
+
+`step()` = scheduler (who runs, how many tokens, who is preempted) -> model runner (one
+flat forward, sampling) -> bookkeeping (append tokens, stop checks, free finished
+requests' blocks, cache newly full blocks). Requests can be added or aborted between
+any two steps: that is continuous batching, and the server drives it the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from numbers import Integral
+from pathlib import Path
+
+import torch
+
+from llmopt.config import EngineConfig
+from llmopt.engine.block_manager import BlockManager
+from llmopt.engine.kv_cache import PagedKVCache
+from llmopt.engine.model_runner import ModelRunner
+from llmopt.engine.scheduler import Scheduler
+from llmopt.engine.sequence import Sequence, SequenceStatus
+from llmopt.model.config import ModelConfig
+from llmopt.model.loader import load_model
+from llmopt.model.registry import resolve_model
+from llmopt.outputs import RequestOutput
+from llmopt.sampling_params import SamplingParams
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.model_path = resolve_model(config.model)
+        self.model_config = ModelConfig.from_pretrained(self.model_path)
+        limit = self.model_config.max_position_embeddings
+        if config.max_model_len is not None and config.max_model_len > limit:
+            raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's "
+                             f"max_position_embeddings ({limit}); allowed: 1..{limit}")
+        self.max_model_len = config.max_model_len or limit
+        self.device = config.torch_device()
+        self.dtype = config.torch_dtype(self.model_config.torch_dtype)
+        self.tokenizer = _load_tokenizer(config.tokenizer or self.model_path)
+        self.eos_token_ids = set(self.model_config.eos_token_ids) | _generation_eos(self.model_path)
+        if self.tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        torch.manual_seed(config.seed)
+        self.model = load_model(self.model_path, self.dtype, self.device)
+        self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
+
+        cfg = self.model_config
+        self.block_size = config.block_size
+        self.bytes_per_block = PagedKVCache.bytes_per_block(
+            cfg.num_hidden_layers, self.block_size, cfg.num_key_value_heads, cfg.head_dim, self.dtype)
+        self.num_blocks = config.num_kv_blocks or self._blocks_from_memory_budget()
+        self.block_manager = BlockManager(self.num_blocks, self.block_size, config.enable_prefix_caching)
+        self.kv_cache = PagedKVCache(cfg.num_hidden_layers, self.num_blocks, self.block_size,
+                                     cfg.num_key_value_heads, cfg.head_dim, self.dtype, self.device)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
+                                   config.max_num_batched_tokens, config.enable_chunked_prefill,
+                                   config.scheduling_policy)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.block_manager, self.device)
+        self.requests: dict[str, Sequence] = {}
+        self.trace: list[dict] | None = [] if config.enable_trace else None
+        self.step_count = 0
+        self.stats = {"num_requests": 0, "num_finished": 0, "num_aborted": 0,
+                      "prompt_tokens": 0, "generation_tokens": 0}
+
+    def _blocks_from_memory_budget(self) -> int:
+        """What is left of the budget after the weights, in blocks (vLLM's profiling, simplified).
+
+        CUDA: `gpu_memory_utilization` x device memory, minus what torch holds after loading
+        the weights and a margin for activations. CPU: `cpu_kv_cache_space` GiB (vLLM reads
+        VLLM_CPU_KVCACHE_SPACE), since a CPU's RAM is shared with everything else.
+        """
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            used = total - free
+            activations = 4 * self.config.max_num_batched_tokens * (
+                self.model_config.hidden_size + self.model_config.intermediate_size) * 4
+            budget = self.config.gpu_memory_utilization * total - used - activations
+        else:
+            budget = self.config.cpu_kv_cache_space * 2**30
+        blocks = int(budget // self.bytes_per_block)
+        if blocks < 1:
+            raise ValueError("no memory is left for the KV cache after loading the weights; raise "
+                             "gpu_memory_utilization / cpu_kv_cache_space or set num_kv_blocks")
+        return blocks
+
+    # -- requests ------------------------------------------------------------------------------
+    def validate_prompt(self, prompt, index: int | str = 0) -> tuple[str | None, list[int]]:
+        """A prompt (text, or {'prompt_token_ids': [...]}) -> (text, token ids); ValueError if bad."""
+        name = f"prompt {index}"
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError(f"{name} is empty; give at least one character or token")
+            text, ids = prompt, self.tokenizer(prompt)["input_ids"]
+        elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            text, ids = prompt.get("prompt"), prompt["prompt_token_ids"]
+            if not isinstance(ids, (list, tuple)) or not all(
+                    isinstance(t, Integral) and not isinstance(t, bool) for t in ids):
+                raise ValueError(f"{name}: prompt_token_ids must be a list of integers")
+            ids = [int(t) for t in ids]
+        elif isinstance(prompt, dict) and "prompt" in prompt:
+            return self.validate_prompt(prompt["prompt"], index)
+        else:
+            raise ValueError(f"{name} must be a string or a dict with 'prompt' or "
+                             f"'prompt_token_ids'; got {type(prompt).__name__}")
+        if not ids:
+            raise ValueError(f"{name} has no tokens; give at least one")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"{name}: token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"{name} has {len(ids)} tokens; max_model_len is {self.max_model_len}, "
+                             f"so a prompt may have at most {self.max_model_len - 1}")
+        return text, ids
+
+    def validate_request(self, ids: list[int], params: SamplingParams, index: int | str = 0) -> None:
+        """Reject a request whose worst case could never fit in the block pool (it would
+        otherwise wait forever, or preempt everyone and still not fit)."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"request {index}: sampling params must be a SamplingParams")
+        worst = min(self.max_model_len, len(ids) + (params.max_tokens or self.max_model_len))
+        need = self.block_manager.blocks_needed(worst)
+        if need > self.num_blocks:
+            raise ValueError(f"request {index} may need {worst} tokens = {need} KV blocks, but the pool "
+                             f"has {self.num_blocks}; lower max_tokens or raise num_kv_blocks")
+
+    def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
+                    arrival_time: float | None = None, priority: int = 0) -> Sequence:
+        params = params or SamplingParams()
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if not isinstance(priority, Integral) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        text, ids = self.validate_prompt(prompt, request_id)
+        self.validate_request(ids, params, request_id)
+        return self._add(request_id, text, ids, params, arrival_time, priority)
+
+    def _add(self, request_id, text, ids, params, arrival_time=None, priority=0) -> Sequence:
+        gen = None
+        if params.seed is not None:
+            gen = torch.Generator(device=self.device).manual_seed(params.seed)
+        elif not params.greedy:
+            gen = self.generator
+        seq = Sequence(request_id, text, ids, params, gen, arrival_time, int(priority))
+        self.requests[request_id] = seq
+        self.scheduler.add(seq)
+        self.stats["num_requests"] += 1
+        self.stats["prompt_tokens"] += len(ids)
+        return seq
+
+    def abort_request(self, request_id: str | list[str]) -> None:
+        for rid in [request_id] if isinstance(request_id, str) else request_id:
+            seq = self.requests.pop(rid, None)
+            if seq is None or seq.is_finished:
+                continue
+            self.scheduler.remove(seq)
+            seq._finish("abort", None)
+            self.stats["num_aborted"] += 1
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- one step --------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        bm = self.block_manager
+        bm.step_allocated, bm.step_freed = [], []
+        hits_before = bm.prefix_hits
+        sched = self.scheduler.schedule()
+        now = time.perf_counter()
+        for seq, _ in sched.scheduled:
+            if seq.metrics.first_scheduled_time is None:
+                seq.metrics.first_scheduled_time = now
+        sampled = self.runner.execute(sched.scheduled) if sched.scheduled else {}
+        now = time.perf_counter()
+        outputs, finished = [], []
+        for seq, n in sched.scheduled:
+            seq.num_computed_tokens += n
+            result = sampled.get(seq.request_id)
+            if result is not None:
+                token, lp = result
+                seq.append_token(token, now)
+                if lp is not None:
+                    seq.record_logprobs(token, *lp)
+                self.stats["generation_tokens"] += 1
+                seq.check_stop(self.eos_token_ids, self.max_model_len, self.tokenizer)
+            # full blocks become shareable once their KV is written
+            bm.cache_full_blocks(seq.request_id, seq.token_ids, seq.num_computed_tokens)
+            if seq.is_finished:
+                self.scheduler.remove(seq)
+                self.requests.pop(seq.request_id, None)
+                seq.finalize_text(self.tokenizer)
+                finished.append(seq.request_id)
+                self.stats["num_finished"] += 1
+            if result is not None:
+                outputs.append(seq.to_output())
+        if self.trace is not None:
+            self._record_trace(sched, finished, bm.prefix_hits - hits_before)
+        self.step_count += 1
+        return outputs
+
+    def _record_trace(self, sched, finished, hits) -> None:
+        bm = self.block_manager
+        self.trace.append({
+            "step": self.step_count, "time": time.perf_counter(),
+            "scheduled": [{"request_id": s.request_id, "num_tokens": n,
+                           "context_len": s.num_computed_tokens - n,
+                           "kind": "decode" if s.num_computed_tokens - n >= len(s.prompt_token_ids)
+                           else "prefill"} for s, n in sched.scheduled],
+            "num_prefill_tokens": sum(n for s, n in sched.scheduled if n > 1 or
+                                      s.num_computed_tokens - n < len(s.prompt_token_ids)),
+            "num_decode_tokens": sum(n for s, n in sched.scheduled if n == 1 and
+                                     s.num_computed_tokens - n >= len(s.prompt_token_ids)),
+            "preempted": [s.request_id for s in sched.preempted],
+            "finished": finished,
+            "blocks_allocated": list(bm.step_allocated), "blocks_freed": list(bm.step_freed),
+            "prefix_hit_tokens": hits,
+            "block_tables": {rid: list(t) for rid, t in bm.block_tables.items()},
+            "num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
+            **self.memory_stats(),
+        })
+
+    # -- numbers -------------------------------------------------------------------------------------
+    def memory_stats(self) -> dict[str, float]:
+        """Blocks used, slots they reserve, and tokens actually stored in them."""
+        bm = self.block_manager
+        filled: dict[int, int] = {}
+        for seq in self.scheduler.running:
+            table = bm.block_tables.get(seq.request_id, [])
+            for i, b in enumerate(table):
+                n = min(self.block_size, max(0, seq.num_computed_tokens - i * self.block_size))
+                filled[b] = max(filled.get(b, 0), n)
+        used = self.num_blocks - bm.num_free_blocks
+        return {"num_blocks": self.num_blocks, "blocks_used": used,
+                "blocks_cached": len(bm.cached), "slots_reserved": used * self.block_size,
+                "tokens_stored": sum(filled.values()), "kv_cache_usage_perc": bm.usage}
+
+    def get_metrics(self) -> dict[str, float]:
+        bm = self.block_manager
+        return {
+            "kv_cache_usage_perc": bm.usage,
+            "num_preemptions": float(self.scheduler.num_preemptions),
+            "prefix_cache_queries": float(bm.prefix_queries),
+            "prefix_cache_hits": float(bm.prefix_hits),
+            "spec_decode_num_drafts": 0.0,
+            "spec_decode_num_draft_tokens": 0.0,
+            "spec_decode_num_accepted_tokens": 0.0,
+            "num_requests_running": float(len(self.scheduler.running)),
+            "num_requests_waiting": float(len(self.scheduler.waiting)),
+            "num_kv_blocks": float(self.num_blocks),
+            **{k: float(v) for k, v in self.stats.items()},
+        }
+
+
+def _load_tokenizer(path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except Exception as e:
+        raise ValueError(f"could not load a tokenizer from {path} ({type(e).__name__}: {e}); the "
+                         "folder needs tokenizer.json and tokenizer_config.json") from None
+
+
+def _generation_eos(path: Path) -> set[int]:
+    f = Path(path) / "generation_config.json"
+    if not f.is_file():
+        return set()
+    try:
+        eos = json.loads(f.read_text()).get("eos_token_id")
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{f} is not valid JSON: {e}") from None
+    if eos is None:
+        return set()
+    return set(eos) if isinstance(eos, list) else {int(eos)}

@@ -1,0 +1,149 @@
+"""The scheduler: which requests run in the next step, and how many tokens each.
+
+Continuous batching as vLLM's V1 scheduler does it. There is no separate "prefill
+phase": every step has one token budget (`max_num_batched_tokens`), and each scheduled
+request gets some tokens of it: a decode gets 1, a prompt gets as many as remain (or,
+with chunked prefill, as many as fit, the rest in later steps). Requests join and
+leave the batch between any two steps.
+
+1. Running requests go first, in order. When the block pool cannot hold a request's
+   new tokens, the scheduler preempts (frees the KV of) the request that should yield
+   (the newest under "fcfs", the lowest priority under "priority"), which goes back
+   to the queue and later recomputes what it lost.
+2. Waiting requests are then admitted while budget, `max_num_seqs` and blocks allow,
+   starting from what the prefix cache already holds. Under "priority", a waiting
+   request may preempt a running one of lower priority (larger value).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from llmopt.engine.block_manager import BlockManager
+from llmopt.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, new tokens)
+    preempted: list[Sequence] = field(default_factory=list)
+    num_batched_tokens: int = 0
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 enable_chunked_prefill: bool = True, policy: str = "fcfs"):
+        self.bm = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.chunked = enable_chunked_prefill
+        self.policy = policy
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        self._arrivals = 0
+
+    # -- queue -----------------------------------------------------------------------------
+    def _rank(self, seq: Sequence) -> tuple:
+        """Smaller = served first. fcfs: arrival order; priority: (priority, arrival order)."""
+        if self.policy == "priority":
+            return (seq.priority, seq.arrival_order)
+        return (seq.arrival_order,)
+
+    def add(self, seq: Sequence) -> None:
+        seq.arrival_order = self._arrivals
+        self._arrivals += 1
+        self.waiting.append(seq)
+        if self.policy == "priority":
+            self.waiting = deque(sorted(self.waiting, key=self._rank))
+
+    def remove(self, seq: Sequence) -> None:
+        """Drop a finished or aborted request from the queues and free its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.bm.free(seq.request_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- one step -------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        if self.policy == "priority":
+            self.running.sort(key=self._rank)
+
+        # 1. running requests: decodes, and prompts still being prefilled in chunks
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.bm.allocate(seq.request_id, seq.num_computed_tokens + n):
+                victim = self.running[-1]  # newest (fcfs) / lowest priority (sorted above)
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+            if seq.status != SequenceStatus.RUNNING:  # it preempted itself
+                break
+            out.scheduled.append((seq, n))
+            budget -= n
+            i += 1
+
+        # 2. waiting requests, if nothing had to be preempted for memory this step
+        while self.waiting and budget > 0 and not out.preempted:
+            seq = self.waiting[0]
+            if len(self.running) >= self.max_num_seqs and not self._preempt_for(seq, out):
+                break
+            cached = []
+            if seq.num_computed_tokens == 0:
+                cached = self.bm.find_cached_prefix(seq.request_id, seq.token_ids)
+            computed = len(cached) * self.bm.block_size
+            n = seq.num_tokens - computed
+            if n > budget:
+                if not self.chunked:
+                    break  # without chunking a prompt runs whole or waits
+                n = budget
+            while not self.bm.allocate(seq.request_id, computed + n, cached):
+                if not self._preempt_for(seq, out):
+                    break
+            else:
+                self.waiting.popleft()
+                if seq.status == SequenceStatus.WAITING:  # first admission (not a resume)
+                    seq.num_cached_tokens = computed
+                self.bm.record_prefix_query(seq.num_tokens, computed)
+                seq.num_computed_tokens = computed
+                seq.status = SequenceStatus.RUNNING
+                self.running.append(seq)
+                out.scheduled.append((seq, n))
+                budget -= n
+                continue
+            break
+        out.num_batched_tokens = self.max_num_batched_tokens - budget
+        return out
+
+    def _preempt_for(self, seq: Sequence, out: SchedulerOutput) -> bool:
+        """Priority policy: a waiting request may push out a running one it outranks."""
+        if self.policy != "priority" or not self.running:
+            return False
+        victim = max(self.running, key=self._rank)
+        if self._rank(victim) <= self._rank(seq):
+            return False
+        self._preempt(victim, out)
+        return True
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        """Recompute-style preemption: drop its KV; it re-enters the queue at the front."""
+        self.running.remove(seq)
+        self.bm.free(seq.request_id)
+        seq.status = SequenceStatus.PREEMPTED
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        out.preempted.append(seq)
+        out.scheduled = [(s, n) for s, n in out.scheduled if s is not seq]
+        self.waiting.appendleft(seq)
+        if self.policy == "priority":
+            self.waiting = deque(sorted(self.waiting, key=self._rank))
