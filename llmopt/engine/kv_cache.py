@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from llmopt.kernels.paged_attention import paged_attention, write_kv
 from llmopt.layers.attention import batched_decode_attention, sequence_attention
 
 
@@ -190,11 +191,8 @@ class PagedKVCache(KVCache):
 
     def attend(self, layer, q, k, v, scale, window=None):
         K, V, b = self.k[layer], self.v[layer], self.batch
-        K.view(-1, *K.shape[2:])[b.slot_mapping] = k
-        V.view(-1, *V.shape[2:])[b.slot_mapping] = v
+        write_kv(k, v, K, V, b.slot_mapping)
         if self.use_triton:
-            from llmopt.kernels.paged_attention import paged_attention
-
             return paged_attention(q, K, V, b.block_table_tensor, b.query_start_loc, b.seq_lens_tensor,
                                    scale, window, max_query_len=max(b.query_lens))
         return self._attend_torch(q, k, v, K, V, scale, window)
