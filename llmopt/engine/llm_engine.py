@@ -74,16 +74,16 @@ class LLMEngine:
     def _blocks_from_memory_budget(self) -> int:
         """What is left of the budget after the weights, in blocks (vLLM's profiling, simplified).
 
-        CUDA: `gpu_memory_utilization` x device memory, minus what torch holds after loading
-        the weights and a margin for activations. CPU: `cpu_kv_cache_space` GiB (vLLM reads
+        CUDA: `gpu_memory_utilization` x device memory, minus the peak torch memory of a
+        profile forward (weights + the largest step's activations) and minus what lives
+        outside torch (the CUDA context, other processes). CPU: `cpu_kv_cache_space` GiB (vLLM reads
         VLLM_CPU_KVCACHE_SPACE), since a CPU's RAM is shared with everything else.
         """
         if self.device.type == "cuda":
+            peak = self._profile_peak_memory()
             free, total = torch.cuda.mem_get_info(self.device)
-            used = total - free
-            activations = 4 * self.config.max_num_batched_tokens * (
-                self.model_config.hidden_size + self.model_config.intermediate_size) * 4
-            budget = self.config.gpu_memory_utilization * total - used - activations
+            other = total - free - torch.cuda.memory_reserved(self.device)  # other processes, CUDA context
+            budget = self.config.gpu_memory_utilization * total - peak - max(0, other)
         else:
             budget = self.config.cpu_kv_cache_space * 2**30
         blocks = int(budget // self.bytes_per_block)
@@ -91,6 +91,28 @@ class LLMEngine:
             raise ValueError("no memory is left for the KV cache after loading the weights; raise "
                              "gpu_memory_utilization / cpu_kv_cache_space or set num_kv_blocks")
         return blocks
+
+    @torch.inference_mode()
+    def _profile_peak_memory(self) -> int:
+        """Peak bytes torch needs for the weights plus the largest step's activations: run one
+        dummy forward of `max_num_batched_tokens` tokens, as vLLM's profile run does."""
+        from llmopt.engine.kv_cache import NoKVCache
+
+        torch.cuda.reset_peak_memory_stats(self.device)
+        n = self.config.max_num_batched_tokens
+        lens = [min(n, self.max_model_len - 1)] * (n // (self.max_model_len - 1))
+        lens += [n - sum(lens)] if n - sum(lens) > 0 else []
+        cache = NoKVCache()
+        cache.begin_step(lens)
+        ids = torch.zeros(n, dtype=torch.long, device=self.device)
+        positions = torch.cat([torch.arange(k, device=self.device) for k in lens])
+        hidden = self.model(ids, positions, cache)
+        self.model.compute_logits(hidden[-self.config.max_num_seqs:])
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        del hidden
+        torch.cuda.empty_cache()
+        return peak
 
     # -- requests ------------------------------------------------------------------------------
     def validate_prompt(self, prompt, index: int | str = 0) -> tuple[str | None, list[int]]:
