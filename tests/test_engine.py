@@ -78,6 +78,7 @@ def test_full_prefix_hit_still_computes_the_last_token():
     first = llm.generate([{"prompt_token_ids": ids}], GREEDY, use_tqdm=False)[0]
     again = llm.generate([{"prompt_token_ids": ids}], GREEDY, use_tqdm=False)[0]
     assert again.outputs[0].token_ids == first.outputs[0].token_ids
+    assert (first.num_cached_tokens, again.num_cached_tokens) == (0, 8)
     # a prompt of whole cached blocks may hit all but the block holding its last token
     m = llm.get_metrics()
     assert m["prefix_cache_hits"] == 8 and m["prefix_cache_queries"] == 32
