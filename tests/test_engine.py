@@ -146,6 +146,14 @@ def test_request_that_can_never_fit_is_rejected():
     assert len(out[0].outputs[0].token_ids) <= 10
 
 
+def test_unchunked_prompt_over_the_token_budget_is_rejected_not_hung():
+    llm = LLM(model="tiny", enable_chunked_prefill=False, max_num_batched_tokens=16)
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        llm.generate([{"prompt_token_ids": [5] * 12}], SamplingParams(max_tokens=8), use_tqdm=False)
+    out = llm.generate([{"prompt_token_ids": [5] * 8}], SamplingParams(max_tokens=8), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) <= 8
+
+
 def test_step_api_streams_and_abort_frees_blocks():
     llm = LLM(model="tiny", block_size=8)
     eng = llm.llm_engine

@@ -154,6 +154,12 @@ class LLMEngine:
         if need > self.num_blocks:
             raise ValueError(f"request {index} may need {worst} tokens = {need} KV blocks, but the pool "
                              f"has {self.num_blocks}; lower max_tokens or raise num_kv_blocks")
+        # Without chunked prefill a prompt (or a preempted request's recompute of prompt +
+        # output) must fit in one step's token budget, or it would wait forever.
+        if not self.config.enable_chunked_prefill and worst > self.config.max_num_batched_tokens:
+            raise ValueError(f"request {index} may need {worst} tokens in one step, over "
+                             f"max_num_batched_tokens={self.config.max_num_batched_tokens} with chunked "
+                             "prefill off; enable_chunked_prefill=True, or lower max_tokens")
 
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
                     arrival_time: float | None = None, priority: int = 0) -> Sequence:
