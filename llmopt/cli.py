@@ -75,10 +75,30 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_flags(gen)
 
     bench = sub.add_parser("bench", help="measure speed, side by side with the baseline")
-    bench.add_argument("--workload", default="kv-cache", choices=["kv-cache"])
-    bench.add_argument("--lengths", type=int, nargs="+", default=[128, 1024])
-    bench.add_argument("--prompt", default="def ")
+    bench.add_argument("--workload", default="kv-cache",
+                       choices=["kv-cache", "offline", "kv-memory", "prefix", "chunked"])
+    bench.add_argument("--lengths", type=int, nargs="+", default=[128, 1024], help="kv-cache")
+    bench.add_argument("--prompt", default="def ", help="kv-cache")
+    bench.add_argument("--num-requests", type=int, default=None,
+                       help="default 128 (offline, kv-memory), 64 (prefix), 8 decoding (chunked)")
+    bench.add_argument("--prompt-len", type=int, nargs=2, metavar=("MIN", "MAX"), default=None,
+                       help="prompt tokens; for prefix: the suffix after the shared prefix")
+    bench.add_argument("--output-len", type=int, nargs=2, metavar=("MIN", "MAX"), default=None,
+                       help="max_tokens per request (drawn uniformly; ignore_eos)")
+    bench.add_argument("--batch-size", type=int, nargs="+", default=[32, 64],
+                       help="offline: HF static batch size(s)")
+    bench.add_argument("--prefix-len", type=int, default=256, help="prefix: shared prompt tokens")
+    bench.add_argument("--num-long", type=int, default=4, help="chunked: long prompts arriving")
+    bench.add_argument("--long-len", type=int, default=1000, help="chunked: their length")
+    bench.add_argument("--chunk-budget", type=int, default=256,
+                       help="chunked: max_num_batched_tokens with chunked prefill on")
+    bench.add_argument("--workload-seed", type=int, default=0)
+    bench.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    bench.add_argument("--profile-steps", type=int, default=0,
+                       help="offline: also profile this many engine decode steps (torch.profiler)")
+    bench.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True)
     bench.add_argument("--out", default=None, help="write the table (markdown) here too")
+    bench.add_argument("--json", default=None, help="write the raw numbers (JSON) here")
     add_engine_flags(bench)
     return parser
 
