@@ -86,8 +86,8 @@ def test_run_traced_rejects_bad_use():
     with pytest.raises(ValueError, match="one sampling params"):
         run_traced(make_llm(), PROMPTS, PARAMS, arrival_steps=[0])
     stuck = make_llm(max_num_batched_tokens=16, enable_chunked_prefill=False)
-    with pytest.raises(RuntimeError, match="enable_chunked_prefill"):
-        run_traced(stuck, [ids(100, 40)], greedy(2), max_idle_steps=3)
+    with pytest.raises(ValueError, match="enable_chunked_prefill"):  # rejected up front
+        run_traced(stuck, [ids(100, 40)], greedy(2))
 
 
 # -- block tables ----------------------------------------------------------------------------------

@@ -50,7 +50,7 @@ class TracedRun:
 
 def run_traced(llm, prompts: list, params: SamplingParams | list[SamplingParams],
                arrival_steps: list[int] | None = None, priorities: list[int] | None = None,
-               arrival_time: float | None = None, label: str = "", max_idle_steps: int = 50) -> TracedRun:
+               arrival_time: float | None = None, label: str = "") -> TracedRun:
     """Submit `prompts` to the engine (request i at step arrival_steps[i]) and step it until
     all are done, recording a pool snapshot after every step.
 
@@ -71,7 +71,7 @@ def run_traced(llm, prompts: list, params: SamplingParams | list[SamplingParams]
     run = TracedRun(ids, label=label, arrival_steps=dict(zip(ids, arrival_steps)),
                     token_steps={rid: [] for rid in ids})
     pending = sorted(range(n), key=lambda i: (arrival_steps[i], i))
-    done, idle, step = {}, 0, 0
+    done, step = {}, 0
     while pending or engine.has_unfinished_requests():
         while pending and arrival_steps[pending[0]] <= step:
             i = pending.pop(0)
@@ -90,10 +90,6 @@ def run_traced(llm, prompts: list, params: SamplingParams | list[SamplingParams]
                 run.token_steps[out.request_id].append(step)
                 if out.finished:
                     done[out.request_id] = out
-        idle = 0 if entry["scheduled"] or not engine.has_unfinished_requests() else idle + 1
-        if idle > max_idle_steps:
-            raise RuntimeError(f"no request was scheduled for {max_idle_steps} steps: a prompt longer "
-                               "than max_num_batched_tokens needs enable_chunked_prefill=True")
         step += 1
     run.outputs = [done[rid] for rid in ids]
     return run
@@ -307,7 +303,7 @@ def scheduler_widget(make_llm, prompts: list, params, arrival_steps: list[int] |
                        enable_chunked_prefill=chunked.value)
         try:
             run = run_traced(llm, prompts, params, arrival_steps, label="continuous batching")
-        except RuntimeError as e:
+        except ValueError as e:  # e.g. a prompt over the step budget with chunking off
             show_outputs(out, f"{e}")
             return
         summary = step_summary(run)
