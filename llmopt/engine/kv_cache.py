@@ -176,18 +176,28 @@ class PagedKVCache(KVCache):
     def bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype) -> int:
         return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
+    # Decodes are attended in groups of similar length: the torch path pads each group
+    # to its longest context, so sorting by length first keeps the padding small.
+    DECODE_GROUP = 16
+
     def begin_step(self, batch: PagedBatch) -> None:
         self.batch = batch
-        decode = [i for i, n in enumerate(batch.query_lens) if n == 1]
+        if self.use_triton:  # the kernels read the block tables directly
+            return
+        decode = sorted((i for i, n in enumerate(batch.query_lens) if n == 1),
+                        key=lambda i: batch.seq_lens[i])
         self._decode_rows = decode
-        if decode:
-            dev = self.k[0].device
-            self._decode_index = torch.tensor(decode, device=dev)
-            # the token index of each decode sequence's query in the flat batch
-            self._decode_tokens = batch.query_start_loc[:-1].long()[self._decode_index]
-            self._decode_lens = batch.seq_lens_tensor.long()[self._decode_index]
-            nb = -(-max(batch.seq_lens[i] for i in decode) // self.block_size)
-            self._decode_tables = batch.block_table_tensor[self._decode_index, :nb].long()
+        self._decode_groups = []
+        dev = self.k[0].device
+        starts = batch.query_start_loc[:-1].long()
+        for g in range(0, len(decode), self.DECODE_GROUP):
+            rows = decode[g:g + self.DECODE_GROUP]
+            index = torch.tensor(rows, device=dev)
+            nb = -(-batch.seq_lens[rows[-1]] // self.block_size)  # rows are sorted by length
+            self._decode_groups.append((
+                starts[index],                                  # each query's row in the flat batch
+                batch.seq_lens_tensor.long()[index],            # valid keys per sequence
+                batch.block_table_tensor[index, :nb].long()))   # their blocks, padded to the group
 
     def attend(self, layer, q, k, v, scale, window=None):
         K, V, b = self.k[layer], self.v[layer], self.batch
@@ -200,15 +210,14 @@ class PagedKVCache(KVCache):
     def _attend_torch(self, q, k, v, K, V, scale, window):
         b = self.batch
         out = torch.empty_like(q)
-        if self._decode_rows:
-            # gather every decode sequence's blocks into a padded [B, Hkv, L, D] batch
-            # (index_select on the flattened table is the fastest gather torch has on CPU)
-            B, nb = self._decode_tables.shape
-            flat = self._decode_tables.flatten()
+        for tokens, lens, tables in self._decode_groups:
+            # gather each group's blocks into a padded [B, Hkv, L, D] batch; index_select on the
+            # flattened table is the fastest gather torch has on CPU
+            B, nb = tables.shape
+            flat = tables.flatten()
             kg = K.index_select(0, flat).view(B, nb * self.block_size, *K.shape[2:]).transpose(1, 2)
             vg = V.index_select(0, flat).view(B, nb * self.block_size, *V.shape[2:]).transpose(1, 2)
-            out[self._decode_tokens] = batched_decode_attention(
-                q[self._decode_tokens], kg, vg, self._decode_lens, scale, window)
+            out[tokens] = batched_decode_attention(q[tokens], kg, vg, lens, scale, window)
         if len(self._decode_rows) == len(b.query_lens):
             return out
         starts = b.query_start_loc.tolist()
