@@ -182,3 +182,18 @@ def test_kv_usage_and_memory_stats():
     for t in trace:
         assert t["tokens_stored"] <= t["slots_reserved"] == t["blocks_used"] * 16
     assert llm.get_metrics()["kv_cache_usage_perc"] == 0.0  # all finished, all freed
+
+
+def test_vllms_documented_example_runs_unchanged():
+    """API.md: vLLM's own example runs with only the import and the model name changed."""
+    llm = LLM(model="tiny", tensor_parallel_size=1, gpu_memory_utilization=0.9,
+              max_num_seqs=256, max_num_batched_tokens=8192, enable_chunked_prefill=True)
+    outputs = llm.generate(["def quicksort(xs):"],
+                           SamplingParams(temperature=0.7, top_p=0.9, max_tokens=2048), use_tqdm=False)
+    out = outputs[0].outputs[0]
+    assert out.finish_reason in ("stop", "length") and out.text
+    if out.finish_reason == "length":  # capped by max_model_len, as vLLM does
+        assert len(outputs[0].prompt_token_ids) + len(out.token_ids) == llm.max_model_len
+    assert set(llm.get_metrics()) >= {"kv_cache_usage_perc", "num_preemptions", "prefix_cache_queries",
+                                      "prefix_cache_hits", "spec_decode_num_drafts",
+                                      "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens"}
