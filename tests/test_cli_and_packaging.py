@@ -47,7 +47,10 @@ def test_non_editable_install_ships_the_kernels_and_models(tmp_path):
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     assert not (target / "kernels").exists()
-    code = ("import llmopt, llmopt.kernels.rms_norm, pathlib;"
+    # every subpackage of the source tree must be in the install (pyproject lists them by hand)
+    subpackages = sorted("llmopt." + p.parent.relative_to(ROOT / "llmopt").as_posix().replace("/", ".")
+                         for p in (ROOT / "llmopt").glob("*/__init__.py"))
+    code = (f"import llmopt, llmopt.kernels.rms_norm, llmopt.kernels.paged_attention, {', '.join(subpackages)};"
             "assert 'site' in llmopt.__file__, llmopt.__file__;"
             "print(sorted(llmopt.list_models()));"
             "print((llmopt.model_path('tiny') / 'model.safetensors').stat().st_size)")
