@@ -84,14 +84,27 @@ class EngineConfig:
             raise ValueError(f"quantization={self.quantization!r}: quantize-on-load is not implemented "
                              "in this version; allowed now: None")
         if self.speculative_config is not None:
-            if not isinstance(self.speculative_config, dict):
-                raise TypeError(f"speculative_config must be a dict, got {self.speculative_config!r}")
-            method = self.speculative_config.get("method")
+            sc = self.speculative_config
+            if not isinstance(sc, dict):
+                raise TypeError(f"speculative_config must be a dict, got {sc!r}")
+            method = sc.get("method")
             if method not in SPEC_METHODS:
                 raise ValueError(f"speculative_config['method'] must be one of {', '.join(SPEC_METHODS)}, "
                                  f"got {method!r}")
-            raise ValueError("speculative_config: speculative decoding is not implemented in this "
-                             "version; allowed now: None")
+            if method != "ngram":
+                raise ValueError(f"speculative_config: method {method!r} is not implemented in this "
+                                 "version; allowed now: 'ngram'")
+            unknown = set(sc) - {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"}
+            if unknown:
+                raise ValueError(f"speculative_config: unknown keys {sorted(unknown)} for 'ngram'; allowed: "
+                                 "num_speculative_tokens, prompt_lookup_min, prompt_lookup_max")
+            for key, default in (("num_speculative_tokens", None), ("prompt_lookup_max", 4),
+                                 ("prompt_lookup_min", 1)):
+                if key not in sc and default is None:
+                    raise ValueError(f"speculative_config needs {key!r} (a positive integer)")
+                _positive_int(f"speculative_config['{key}']", sc.get(key, default))
+            if sc.get("prompt_lookup_min", 1) > sc.get("prompt_lookup_max", 4):
+                raise ValueError("speculative_config: prompt_lookup_min must be <= prompt_lookup_max")
         _int("seed", self.seed)
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):
             _positive_int(name, getattr(self, name))

@@ -123,6 +123,21 @@ class BlockManager:
         self.step_allocated.append(block_id)
         return block_id
 
+    def trim(self, seq_id: str, num_tokens: int) -> None:
+        """Free the tail blocks a sequence no longer needs (rejected speculative tokens)."""
+        table = self.block_tables.get(seq_id, [])
+        keep = self.blocks_needed(num_tokens)
+        while len(table) > keep:
+            b = table.pop()
+            block = self.blocks[b]
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_queue[b] = None
+                self.step_freed.append(b)
+        hashes = self.block_hashes.get(seq_id)
+        if hashes is not None and len(hashes) > len(table):
+            del hashes[len(table):]
+
     def cache_full_blocks(self, seq_id: str, token_ids: list[int], num_computed: int) -> None:
         """Register every block whose `block_size` tokens are now all computed."""
         if not self.enable_prefix_caching:

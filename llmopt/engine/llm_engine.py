@@ -31,6 +31,7 @@ from llmopt.model.loader import load_model
 from llmopt.model.registry import resolve_model
 from llmopt.outputs import RequestOutput
 from llmopt.sampling_params import SamplingParams
+from llmopt.spec.ngram import propose_ngram
 
 
 class LLMEngine:
@@ -70,6 +71,11 @@ class LLMEngine:
         self.step_count = 0
         self.stats = {"num_requests": 0, "num_finished": 0, "num_aborted": 0,
                       "prompt_tokens": 0, "generation_tokens": 0}
+        sc = config.speculative_config
+        self.spec = None if sc is None else (sc["num_speculative_tokens"], sc.get("prompt_lookup_min", 1),
+                                             sc.get("prompt_lookup_max", 4))
+        self.spec_stats = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0,
+                           "accepted_per_position": [0] * (self.spec[0] if self.spec else 0)}
 
     def _blocks_from_memory_budget(self) -> int:
         """What is left of the budget after the weights, in blocks (vLLM's profiling, simplified).
@@ -202,6 +208,8 @@ class LLMEngine:
         bm = self.block_manager
         bm.step_allocated, bm.step_freed = [], []
         hits_before = bm.prefix_hits
+        if self.spec is not None:
+            self._propose()
         sched = self.scheduler.schedule()
         now = time.perf_counter()
         for seq, _ in sched.scheduled:
@@ -209,17 +217,36 @@ class LLMEngine:
                 seq.metrics.first_scheduled_time = now
         sampled = self.runner.execute(sched.scheduled) if sched.scheduled else {}
         now = time.perf_counter()
+        before = {seq.request_id: (seq.num_computed_tokens, len(seq.spec_token_ids))
+                  for seq, _ in sched.scheduled}
         outputs, finished = [], []
         for seq, n in sched.scheduled:
-            seq.num_computed_tokens += n
-            result = sampled.get(seq.request_id)
-            if result is not None:
-                token, lp = result
+            drafts = seq.spec_token_ids
+            emitted = sampled.get(seq.request_id)
+            if drafts and emitted is not None:
+                # k drafts were computed; only the accepted ones (len(emitted) - 1) stay valid
+                accepted = len(emitted) - 1
+                seq.num_computed_tokens += n - len(drafts) + accepted
+                self.spec_stats["num_drafts"] += 1
+                self.spec_stats["num_draft_tokens"] += len(drafts)
+                self.spec_stats["num_accepted_tokens"] += accepted
+                self.spec_stats["accepted_per_position"][:accepted] = [
+                    c + 1 for c in self.spec_stats["accepted_per_position"][:accepted]]
+            else:
+                seq.num_computed_tokens += n
+            seq.spec_token_ids = []
+            for token, lp in emitted or []:
+                # tokens of an accepted run go in one by one, so that EOS, stop strings and
+                # max_tokens end the request exactly where plain decoding would
                 seq.append_token(token, now)
                 if lp is not None:
                     seq.record_logprobs(token, *lp)
                 self.stats["generation_tokens"] += 1
                 seq.check_stop(self.eos_token_ids, self.max_model_len, self.tokenizer)
+                if seq.is_finished:
+                    break
+            if drafts and not seq.is_finished:
+                bm.trim(seq.request_id, len(seq))  # blocks that only held rejected drafts
             # full blocks become shareable once their KV is written
             bm.cache_full_blocks(seq.request_id, seq.token_ids, seq.num_computed_tokens)
             if seq.is_finished:
@@ -228,25 +255,41 @@ class LLMEngine:
                 seq.finalize_text(self.tokenizer)
                 finished.append(seq.request_id)
                 self.stats["num_finished"] += 1
-            if result is not None:
+            if emitted is not None:
                 outputs.append(seq.to_output())
         if self.trace is not None:
-            self._record_trace(sched, finished, bm.prefix_hits - hits_before)
+            self._record_trace(sched, before, finished, bm.prefix_hits - hits_before)
         self.step_count += 1
         return outputs
 
-    def _record_trace(self, sched, finished, hits) -> None:
+    def _propose(self) -> None:
+        """n-gram drafts for every decoding sequence, capped so that a fully accepted run
+        never passes max_tokens or max_model_len."""
+        k, lo, hi = self.spec
+        for seq in self.scheduler.running:
+            if seq.num_computed_tokens != seq.num_tokens - 1:
+                continue  # still prefilling
+            room = self.max_model_len - len(seq) - 1
+            if seq.params.max_tokens is not None:
+                room = min(room, seq.params.max_tokens - len(seq.output_token_ids) - 1)
+            if room > 0:
+                seq.spec_token_ids = propose_ngram(seq.token_ids, min(k, room), lo, hi)
+
+    def _record_trace(self, sched, before, finished, hits) -> None:
         bm = self.block_manager
+        # decode work: one new token (plus its speculative drafts) after the whole prompt;
+        # anything else, a recompute after preemption included, is prefill work
+        is_decode = {s.request_id: before[s.request_id][0] >= len(s.prompt_token_ids) and
+                     n == 1 + before[s.request_id][1] for s, n in sched.scheduled}
         self.trace.append({
             "step": self.step_count, "time": time.perf_counter(),
             "scheduled": [{"request_id": s.request_id, "num_tokens": n,
-                           "context_len": s.num_computed_tokens - n,
-                           "kind": "decode" if s.num_computed_tokens - n >= len(s.prompt_token_ids)
+                           "context_len": before[s.request_id][0],
+                           "num_draft_tokens": before[s.request_id][1],
+                           "kind": "decode" if before[s.request_id][0] >= len(s.prompt_token_ids)
                            else "prefill"} for s, n in sched.scheduled],
-            "num_prefill_tokens": sum(n for s, n in sched.scheduled if n > 1 or
-                                      s.num_computed_tokens - n < len(s.prompt_token_ids)),
-            "num_decode_tokens": sum(n for s, n in sched.scheduled if n == 1 and
-                                     s.num_computed_tokens - n >= len(s.prompt_token_ids)),
+            "num_prefill_tokens": sum(n for s, n in sched.scheduled if not is_decode[s.request_id]),
+            "num_decode_tokens": sum(n for s, n in sched.scheduled if is_decode[s.request_id]),
             "preempted": [s.request_id for s in sched.preempted],
             "finished": finished,
             "blocks_allocated": list(bm.step_allocated), "blocks_freed": list(bm.step_freed),
@@ -278,9 +321,9 @@ class LLMEngine:
             "num_preemptions": float(self.scheduler.num_preemptions),
             "prefix_cache_queries": float(bm.prefix_queries),
             "prefix_cache_hits": float(bm.prefix_hits),
-            "spec_decode_num_drafts": 0.0,
-            "spec_decode_num_draft_tokens": 0.0,
-            "spec_decode_num_accepted_tokens": 0.0,
+            "spec_decode_num_drafts": float(self.spec_stats["num_drafts"]),
+            "spec_decode_num_draft_tokens": float(self.spec_stats["num_draft_tokens"]),
+            "spec_decode_num_accepted_tokens": float(self.spec_stats["num_accepted_tokens"]),
             "num_requests_running": float(len(self.scheduler.running)),
             "num_requests_waiting": float(len(self.scheduler.waiting)),
             "num_kv_blocks": float(self.num_blocks),

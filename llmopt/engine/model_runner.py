@@ -13,7 +13,8 @@ import torch
 from llmopt.engine.block_manager import BlockManager
 from llmopt.engine.kv_cache import PagedBatch, PagedKVCache
 from llmopt.engine.sequence import Sequence
-from llmopt.layers.sampler import sample, top_logprobs
+from llmopt.layers.sampler import filter_logits, sample, top_logprobs
+from llmopt.spec.rejection_sampler import rejection_sample
 
 
 class ModelRunner:
@@ -27,7 +28,7 @@ class ModelRunner:
         for seq, n in scheduled:
             start = seq.num_computed_tokens
             table = self.bm.block_tables[seq.request_id]
-            ids += seq.token_ids[start:start + n]
+            ids += (seq.token_ids + seq.spec_token_ids)[start:start + n]
             pos = range(start, start + n)
             positions += pos
             slots += [table[p // bs] * bs + p % bs for p in pos]
@@ -50,34 +51,64 @@ class ModelRunner:
         return torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), batch
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[tuple[Sequence, int]]) -> dict[str, tuple]:
-        """Run one step; returns request_id -> (token, logprob info or None) for sampled rows."""
+    def execute(self, scheduled: list[tuple[Sequence, int]]) -> dict[str, list[tuple]]:
+        """Run one step. Returns request_id -> [(token, logprob info or None), ...] for every
+        sequence that produced tokens: one token, or with speculation the accepted drafts
+        plus one more."""
         input_ids, positions, batch = self.prepare(scheduled)
         self.kv_cache.begin_step(batch)
         hidden = self.model(input_ids, positions, self.kv_cache)
-        # a row samples when this step computes its last known token
-        rows, last = [], []
-        end = 0
+        # A row samples when this step reaches its last known token; with k drafts the last
+        # k + 1 positions all get logits: p_1..p_{k+1} for the rejection sampler.
+        rows, index, end = [], [], 0
         for seq, n in scheduled:
             end += n
-            if seq.num_computed_tokens + n == seq.num_tokens:
+            k = len(seq.spec_token_ids)
+            if seq.num_computed_tokens + n == seq.num_tokens + k:
                 rows.append(seq)
-                last.append(end - 1)
+                index += range(end - 1 - k, end)
         if not rows:
             return {}
-        logits = self.model.compute_logits(hidden[torch.tensor(last, device=hidden.device)])
-        tokens = sample(logits, [s.params for s in rows], [s.generator for s in rows])
-        want = max((s.params.logprobs or 0) for s in rows)
-        info = None
-        if any(s.params.logprobs is not None for s in rows):
-            info = top_logprobs(logits, tokens, want)
-        out = {}
-        for i, (seq, t) in enumerate(zip(rows, tokens.tolist())):
-            lp = None
+        logits = self.model.compute_logits(hidden[torch.tensor(index, device=hidden.device)])
+        out, at = {}, 0
+        plain = [i for i, s in enumerate(rows) if not s.spec_token_ids]
+        firsts = []
+        for seq in rows:
+            firsts.append(at)
+            at += 1 + len(seq.spec_token_ids)
+        tokens = {}
+        if plain:
+            picked = sample(logits[[firsts[i] for i in plain]], [rows[i].params for i in plain],
+                            [rows[i].generator for i in plain])
+            tokens.update({i: [t] for i, t in zip(plain, picked.tolist())})
+        for i, seq in enumerate(rows):
+            if seq.spec_token_ids:
+                tokens[i] = self._verify(seq, logits[firsts[i]:firsts[i] + 1 + len(seq.spec_token_ids)])
+        for i, seq in enumerate(rows):
+            emitted = tokens[i]
+            info = [None] * len(emitted)
             if seq.params.logprobs is not None:
-                chosen, ranks, top_v, top_i = info
                 k = seq.params.logprobs
-                lp = (float(chosen[i]), int(ranks[i]), top_v[i, :k].tolist() if k else [],
-                      top_i[i, :k].tolist() if k else [])
-            out[seq.request_id] = (t, lp)
+                chosen, ranks, top_v, top_i = top_logprobs(
+                    logits[firsts[i]:firsts[i] + len(emitted)],
+                    torch.tensor(emitted, device=logits.device), k)
+                info = [(float(chosen[j]), int(ranks[j]), top_v[j].tolist() if k else [],
+                         top_i[j].tolist() if k else []) for j in range(len(emitted))]
+            out[seq.request_id] = list(zip(emitted, info))
         return out
+
+    def _verify(self, seq: Sequence, logits: torch.Tensor) -> list[int]:
+        """Speculative decoding's check: the target's distributions at the k + 1 positions,
+        filtered exactly as plain sampling filters them, against one-hot n-gram drafts."""
+        p = seq.params
+        if p.greedy:
+            probs = logits.softmax(-1)
+        else:
+            n = logits.shape[0]
+            dev = logits.device
+            probs = filter_logits(logits, torch.full((n,), p.temperature, device=dev),
+                                  torch.full((n,), p.top_k, device=dev),
+                                  torch.full((n,), p.top_p, device=dev),
+                                  torch.full((n,), p.min_p, device=dev)).softmax(-1)
+        drafts = torch.tensor(seq.spec_token_ids, device=logits.device)
+        return rejection_sample(probs, None, drafts, seq.generator, greedy=p.greedy)

@@ -80,7 +80,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if seq.spec_token_ids and 1 + len(seq.spec_token_ids) > budget:
+                seq.spec_token_ids = []  # no room to verify guesses this step
+            n = min(seq.num_tokens + len(seq.spec_token_ids) - seq.num_computed_tokens, budget)
             while not self.bm.allocate(seq.request_id, seq.num_computed_tokens + n):
                 victim = self.running[-1]  # newest (fcfs) / lowest priority (sorted above)
                 self._preempt(victim, out)
@@ -140,6 +142,7 @@ class Scheduler:
         self.bm.free(seq.request_id)
         seq.status = SequenceStatus.PREEMPTED
         seq.num_computed_tokens = 0
+        seq.spec_token_ids = []
         seq.num_preemptions += 1
         self.num_preemptions += 1
         out.preempted.append(seq)

@@ -40,6 +40,7 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0   # prompt tokens found in the prefix cache
         self.num_preemptions = 0
+        self.spec_token_ids: list[int] = []  # proposed continuation, verified in the next step
 
     @property
     def token_ids(self) -> list[int]:
