@@ -31,6 +31,11 @@ def test_greedy_ngram_equals_plain_greedy(plain):
     m = llm.get_metrics()
     assert m["spec_decode_num_drafts"] > 0
     assert 0 < m["spec_decode_num_accepted_tokens"] <= m["spec_decode_num_draft_tokens"]
+    per_pos = [m[f"spec_decode_num_accepted_tokens_per_pos_{i}"] for i in range(4)]
+    assert sum(per_pos) == m["spec_decode_num_accepted_tokens"]
+    assert per_pos == sorted(per_pos, reverse=True)  # position i is reached only through i - 1
+    assert m["spec_decode_mean_acceptance_length"] == pytest.approx(
+        1 + m["spec_decode_num_accepted_tokens"] / m["spec_decode_num_drafts"])
     assert m["generation_tokens"] == 2 * len(PROMPTS) * 48
     llm.llm_engine.block_manager.check_invariants()
 

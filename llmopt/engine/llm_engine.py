@@ -324,6 +324,11 @@ class LLMEngine:
             "spec_decode_num_drafts": float(self.spec_stats["num_drafts"]),
             "spec_decode_num_draft_tokens": float(self.spec_stats["num_draft_tokens"]),
             "spec_decode_num_accepted_tokens": float(self.spec_stats["num_accepted_tokens"]),
+            # mean tokens a verification step yields per sequence: 1 + accepted / drafts
+            "spec_decode_mean_acceptance_length": 1.0 + self.spec_stats["num_accepted_tokens"] / max(
+                1, self.spec_stats["num_drafts"]),
+            **{f"spec_decode_num_accepted_tokens_per_pos_{i}": float(c)
+               for i, c in enumerate(self.spec_stats["accepted_per_position"])},
             "num_requests_running": float(len(self.scheduler.running)),
             "num_requests_waiting": float(len(self.scheduler.waiting)),
             "num_kv_blocks": float(self.num_blocks),
