@@ -128,12 +128,7 @@ class BlockManager:
         table = self.block_tables.get(seq_id, [])
         keep = self.blocks_needed(num_tokens)
         while len(table) > keep:
-            b = table.pop()
-            block = self.blocks[b]
-            block.ref_cnt -= 1
-            if block.ref_cnt == 0:
-                self.free_queue[b] = None
-                self.step_freed.append(b)
+            self._release(table.pop())
         hashes = self.block_hashes.get(seq_id)
         if hashes is not None and len(hashes) > len(table):
             del hashes[len(table):]
@@ -159,12 +154,16 @@ class BlockManager:
         table = self.block_tables.pop(seq_id, [])
         self.block_hashes.pop(seq_id, None)
         for b in reversed(table):
-            block = self.blocks[b]
-            block.ref_cnt -= 1
-            assert block.ref_cnt >= 0, f"block {b} freed twice"
-            if block.ref_cnt == 0:
-                self.free_queue[b] = None
-                self.step_freed.append(b)
+            self._release(b)
+
+    def _release(self, block_id: int) -> None:
+        """Drop one reference; an unreferenced block joins the free queue (keeping its hash)."""
+        block = self.blocks[block_id]
+        block.ref_cnt -= 1
+        assert block.ref_cnt >= 0, f"block {block_id} freed twice"
+        if block.ref_cnt == 0:
+            self.free_queue[block_id] = None
+            self.step_freed.append(block_id)
 
     def reset_prefix_cache(self) -> None:
         for h, b in list(self.cached.items()):

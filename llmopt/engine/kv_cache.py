@@ -198,6 +198,18 @@ class PagedKVCache(KVCache):
                 starts[index],                                  # each query's row in the flat batch
                 batch.seq_lens_tensor.long()[index],            # valid keys per sequence
                 batch.block_table_tensor[index, :nb].long()))   # their blocks, padded to the group
+        # Prompts and prompt chunks: where their queries sit, and (after cached context) which
+        # blocks hold their keys. Worked out once per step, not once per layer.
+        self._prefills = []
+        start = 0
+        for i, (n, ctx) in enumerate(zip(batch.query_lens, batch.context_lens)):
+            if n > 1:
+                blocks = None
+                if ctx:
+                    nb = -(-(ctx + n) // self.block_size)
+                    blocks = torch.tensor(batch.block_tables[i][:nb], device=dev)
+                self._prefills.append((start, start + n, ctx, blocks))
+            start += n
 
     def attend(self, layer, q, k, v, scale, window=None):
         K, V, b = self.k[layer], self.v[layer], self.batch
@@ -208,7 +220,6 @@ class PagedKVCache(KVCache):
         return self._attend_torch(q, k, v, K, V, scale, window)
 
     def _attend_torch(self, q, k, v, K, V, scale, window):
-        b = self.batch
         out = torch.empty_like(q)
         for tokens, lens, tables in self._decode_groups:
             # gather each group's blocks into a padded [B, Hkv, L, D] batch; index_select on the
@@ -218,19 +229,11 @@ class PagedKVCache(KVCache):
             kg = K.index_select(0, flat).view(B, nb * self.block_size, *K.shape[2:]).transpose(1, 2)
             vg = V.index_select(0, flat).view(B, nb * self.block_size, *V.shape[2:]).transpose(1, 2)
             out[tokens] = batched_decode_attention(q[tokens], kg, vg, lens, scale, window)
-        if len(self._decode_rows) == len(b.query_lens):
-            return out
-        starts = b.query_start_loc.tolist()
-        for i, (n, ctx) in enumerate(zip(b.query_lens, b.context_lens)):
-            if n == 1:
-                continue
-            s, e = starts[i], starts[i] + n
-            if ctx == 0:  # a whole prompt: its keys are exactly this step's keys
+        for s, e, ctx, blocks in self._prefills:
+            if blocks is None:  # a whole prompt: its keys are exactly this step's keys
                 keys, values = k[s:e], v[s:e]
-            else:         # a chunk after cached context: read the context from the blocks
-                nb = -(-(ctx + n) // self.block_size)
-                blocks = torch.tensor(b.block_tables[i][:nb], device=K.device)
-                keys = K[blocks].flatten(0, 1)[:ctx + n]
-                values = V[blocks].flatten(0, 1)[:ctx + n]
+            else:               # a chunk after cached context: read the context from the blocks
+                keys = K[blocks].flatten(0, 1)[:ctx + e - s]
+                values = V[blocks].flatten(0, 1)[:ctx + e - s]
             out[s:e] = sequence_attention(q[s:e], keys, values, scale, window)
         return out

@@ -54,9 +54,19 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         seq.arrival_order = self._arrivals
         self._arrivals += 1
-        self.waiting.append(seq)
+        self._enqueue(seq)
+
+    def _enqueue(self, seq: Sequence) -> None:
+        """Keep the queue in serving order: by rank under "priority"; under "fcfs" new
+        arrivals go to the back and preempted requests (which arrived earlier) to the front."""
         if self.policy == "priority":
-            self.waiting = deque(sorted(self.waiting, key=self._rank))
+            rank = self._rank(seq)
+            at = next((i for i, w in enumerate(self.waiting) if self._rank(w) > rank), len(self.waiting))
+            self.waiting.insert(at, seq)
+        elif seq.status == SequenceStatus.PREEMPTED:
+            self.waiting.appendleft(seq)
+        else:
+            self.waiting.append(seq)
 
     def remove(self, seq: Sequence) -> None:
         """Drop a finished or aborted request from the queues and free its blocks."""
@@ -147,6 +157,4 @@ class Scheduler:
         self.num_preemptions += 1
         out.preempted.append(seq)
         out.scheduled = [(s, n) for s, n in out.scheduled if s is not seq]
-        self.waiting.appendleft(seq)
-        if self.policy == "priority":
-            self.waiting = deque(sorted(self.waiting, key=self._rank))
+        self._enqueue(seq)
