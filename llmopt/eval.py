@@ -1,0 +1,141 @@
+"""Perplexity through the engine: how surprised the model is by text it never trained on.
+
+    perplexity = exp( mean over tokens of  -log p(token | the tokens before it) )
+
+It is measured through a running `LLM`'s own model and its own KV cache, so whatever the
+engine does to the numbers (quantized weights, an FP8 cache, a different dtype) shows in
+the result. The text is cut into windows of `seq_len` tokens; each window is fed in
+chunks of `chunk_size` tokens, so the queries of later chunks read keys and values back
+from the paged cache exactly as a long prompt's later chunks do in serving.
+
+The bundled held-out text (Python files the tiny models never saw) is split once: the
+first part calibrates quantizers (GPTQ, AWQ, FP8 scales), the rest evaluates them, so a
+method is never scored on the text it was fitted to.
+"""
+
+from __future__ import annotations
+
+import math
+from numbers import Integral
+
+import torch
+
+from llmopt.model.registry import BUNDLED_DIR
+
+HELDOUT_PATH = BUNDLED_DIR / "heldout.txt"
+CALIBRATION_CHARS = 100_000  # ~27k tokens for calibration; the remaining ~300k chars evaluate
+
+
+def heldout_text(split: str = "eval") -> str:
+    """The bundled held-out text: `"calibration"` (its first part), `"eval"` (the rest,
+    disjoint from calibration) or `"all"`. The split falls on a line boundary."""
+    if split not in ("calibration", "eval", "all"):
+        raise ValueError(f"split must be 'calibration', 'eval' or 'all', got {split!r}")
+    text = HELDOUT_PATH.read_text(encoding="utf-8")
+    if split == "all":
+        return text
+    cut = text.index("\n", CALIBRATION_CHARS) + 1
+    return text[:cut] if split == "calibration" else text[cut:]
+
+
+def perplexity(llm, text: str | None = None, max_tokens: int | None = None, seq_len: int = 512,
+               chunk_size: int | None = None, batch_size: int = 8, token_ids: list[int] | None = None,
+               use_tqdm: bool = False) -> float:
+    """Perplexity of `llm` on `text` (default: the held-out evaluation split).
+
+    max_tokens: evaluate only the first `max_tokens` tokens of the text (None: all of it).
+    seq_len: tokens of context per window; windows do not overlap, so every token but the
+        first is scored exactly once, with up to `seq_len - 1` tokens before it.
+    chunk_size: tokens per forward within a window (None: the whole window at once); later
+        chunks attend to the cached K/V of earlier ones.
+    batch_size: windows run together in one step (a flat batch, as the engine runs requests).
+    token_ids: evaluate these token ids instead of tokenizing `text`.
+    """
+    engine = getattr(llm, "llm_engine", None)
+    if engine is None or not hasattr(engine, "kv_cache"):
+        raise TypeError(f"perplexity needs an llmopt LLM, got {type(llm).__name__}")
+    for name, value in (("seq_len", seq_len), ("batch_size", batch_size), ("max_tokens", max_tokens),
+                        ("chunk_size", chunk_size)):
+        if value is None and name in ("max_tokens", "chunk_size"):
+            continue
+        if isinstance(value, bool) or not isinstance(value, Integral) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if seq_len < 2:
+        raise ValueError(f"seq_len must be >= 2 (a token and one to predict), got {seq_len}")
+    if seq_len > engine.max_model_len:
+        raise ValueError(f"seq_len={seq_len} exceeds the engine's max_model_len ({engine.max_model_len})")
+    chunk_size = chunk_size or seq_len
+    if token_ids is None:
+        if text is None:
+            text = heldout_text("eval")
+        if not isinstance(text, str):
+            raise TypeError(f"text must be a string, got {type(text).__name__}")
+        # no BOS: windows start mid-file, as the bundled models were trained and scored
+        token_ids = engine.tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
+    elif text is not None:
+        raise ValueError("give text or token_ids, not both")
+    ids = [int(t) for t in token_ids][: max_tokens]
+    if len(ids) < 2:
+        raise ValueError(f"the text has {len(ids)} token(s); perplexity needs at least 2")
+    vocab = engine.model_config.vocab_size
+    if min(ids) < 0 or max(ids) >= vocab:
+        raise ValueError(f"token ids must lie in [0, {vocab})")
+    need = engine.block_manager.blocks_needed(seq_len)
+    if need > engine.num_blocks:
+        raise ValueError(f"a window of {seq_len} tokens needs {need} KV blocks; the pool has "
+                         f"{engine.num_blocks}: lower seq_len or raise num_kv_blocks")
+    batch_size = max(1, min(batch_size, engine.block_manager.num_free_blocks // need))
+
+    # windows overlap by one token: window w predicts ids[w*seq_len + 1 : (w+1)*seq_len + 1]
+    windows = [ids[s:s + seq_len + 1] for s in range(0, len(ids) - 1, seq_len)]
+    windows = [w for w in windows if len(w) >= 2]
+    nll, count = 0.0, 0
+    bar = None
+    if use_tqdm:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(ids) - 1, desc="perplexity", unit="tok", dynamic_ncols=True)
+    for b in range(0, len(windows), batch_size):
+        group = windows[b:b + batch_size]
+        total, n = _score_windows(engine, group, chunk_size)
+        nll += total
+        count += n
+        if bar is not None:
+            bar.update(n)
+    if bar is not None:
+        bar.close()
+    return math.exp(nll / count)
+
+
+@torch.inference_mode()
+def _score_windows(engine, windows: list[list[int]], chunk_size: int) -> tuple[float, int]:
+    """Summed NLL of each window's tokens 1..end, run through the engine's model and cache."""
+    from llmopt.engine.sequence import Sequence
+    from llmopt.sampling_params import SamplingParams
+
+    bm, runner = engine.block_manager, engine.runner
+    seqs = [Sequence(f"__perplexity_{i}", None, w[:-1], SamplingParams(max_tokens=1))
+            for i, w in enumerate(windows)]
+    targets = [torch.tensor(w[1:], device=engine.device) for w in windows]
+    total, count = 0.0, 0
+    try:
+        for seq in seqs:
+            if not bm.allocate(seq.request_id, len(seq)):
+                raise ValueError("the KV block pool is too small for this perplexity batch; "
+                                 "lower batch_size or seq_len")
+        for start in range(0, max(len(s) for s in seqs), chunk_size):
+            live = [i for i, s in enumerate(seqs) if len(s) > start]
+            scheduled = [(seqs[i], min(chunk_size, len(seqs[i]) - start)) for i in live]
+            input_ids, positions, batch = runner.prepare(scheduled)
+            engine.kv_cache.begin_step(batch)
+            hidden = engine.model(input_ids, positions, engine.kv_cache)
+            logits = engine.model.compute_logits(hidden)
+            gold = torch.cat([targets[i][start:start + n] for i, (_, n) in zip(live, scheduled)])
+            total += torch.nn.functional.cross_entropy(logits, gold, reduction="sum").item()
+            count += gold.numel()
+            for s, n in scheduled:
+                s.num_computed_tokens += n
+    finally:
+        for seq in seqs:
+            bm.free(seq.request_id)
+    return total, count

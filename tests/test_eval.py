@@ -1,0 +1,83 @@
+"""llmopt.eval.perplexity: equal to the textbook computation in transformers, the same
+however the windows are chunked and batched, and strict about its arguments."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from llmopt import model_path
+from llmopt.eval import heldout_text, perplexity
+
+
+def reference_perplexity(folder, ids: list[int], seq_len: int) -> float:
+    """transformers on the same non-overlapping windows (each shares one token with the next)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    nll, n = 0.0, 0
+    with torch.inference_mode():
+        for s in range(0, len(ids) - 1, seq_len):
+            w = torch.tensor(ids[s:s + seq_len + 1])
+            logits = model(input_ids=w[None, :-1]).logits[0].float()
+            nll += F.cross_entropy(logits, w[1:], reduction="sum").item()
+            n += len(w) - 1
+    return math.exp(nll / n)
+
+
+def test_splits_are_disjoint_and_cover_the_file():
+    cal, ev, full = heldout_text("calibration"), heldout_text("eval"), heldout_text("all")
+    assert cal + ev == full
+    assert cal.endswith("\n") and len(cal) > 50_000 and len(ev) > 200_000
+    with pytest.raises(ValueError, match="split"):
+        heldout_text("train")
+
+
+def test_perplexity_equals_transformers(tiny_llm):
+    ids = tiny_llm.tokenizer(heldout_text("eval")[:6000], add_special_tokens=False)["input_ids"][:700]
+    got = perplexity(tiny_llm, token_ids=ids, seq_len=256)
+    want = reference_perplexity(model_path("tiny"), ids, seq_len=256)
+    assert got == pytest.approx(want, rel=1e-5)
+    assert 10 < got < 500  # a trained model on Python text: far below the vocabulary size
+
+
+def test_chunked_and_batched_equal_whole_windows(tiny_llm):
+    whole = perplexity(tiny_llm, max_tokens=600, seq_len=200, batch_size=8)
+    chunked = perplexity(tiny_llm, max_tokens=600, seq_len=200, chunk_size=48, batch_size=8)
+    one_at_a_time = perplexity(tiny_llm, max_tokens=600, seq_len=200, chunk_size=48, batch_size=1)
+    assert chunked == pytest.approx(whole, rel=1e-5)
+    assert one_at_a_time == pytest.approx(whole, rel=1e-5)
+    # the engine is left as it was: no blocks held, requests still run
+    assert tiny_llm.llm_engine.block_manager.num_free_blocks == tiny_llm.llm_engine.num_blocks
+
+
+def test_text_argument_is_tokenized_without_bos(tiny_llm):
+    text = heldout_text("eval")[:1500]
+    ids = tiny_llm.tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert perplexity(tiny_llm, text=text) == pytest.approx(perplexity(tiny_llm, token_ids=ids), rel=1e-6)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(seq_len=1), "seq_len"),
+    (dict(seq_len=10**6), "max_model_len"),
+    (dict(chunk_size=0), "chunk_size"),
+    (dict(max_tokens=-5), "max_tokens"),
+    (dict(batch_size=True), "batch_size"),
+    (dict(text=""), "at least 2"),
+    (dict(token_ids=[5]), "at least 2"),
+    (dict(token_ids=[5, 99999]), r"\[0, 4096\)"),
+    (dict(text="x", token_ids=[1, 2]), "not both"),
+])
+def test_bad_arguments(tiny_llm, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        perplexity(tiny_llm, **kwargs)
+
+
+def test_needs_an_llm():
+    with pytest.raises(TypeError, match="LLM"):
+        perplexity("tiny")
+    with pytest.raises(TypeError, match="text"):
+        from llmopt import LLM
+
+        perplexity(LLM("tiny-draft"), text=b"bytes")
