@@ -1,7 +1,8 @@
-"""`llmopt` on the command line: generate and bench (engine flags spelled as vLLM's).
+"""`llmopt` on the command line: generate, bench and serve (engine flags spelled as vLLM's).
 
     llmopt generate "def fibonacci(n):" --max-tokens 64 --temperature 0
     llmopt bench --workload kv-cache --lengths 128 1024
+    llmopt serve --model tiny --port 8000
 """
 
 from __future__ import annotations
@@ -97,9 +98,22 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--profile-steps", type=int, default=0,
                        help="offline: also profile this many engine decode steps (torch.profiler)")
     bench.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True)
+    bench.add_argument("--url", default=None,
+                       help="load a running server instead (llmopt serve, vLLM): Poisson arrivals, streaming")
+    bench.add_argument("--request-rate", type=float, nargs="+", default=None,
+                       help="--url: requests/s, one run each (inf: all at once); default 1 2 4 8")
     bench.add_argument("--out", default=None, help="write the table (markdown) here too")
     bench.add_argument("--json", default=None, help="write the raw numbers (JSON) here")
     add_engine_flags(bench)
+
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (llmopt.server)")
+    serve.add_argument("--host", default="127.0.0.1", help="0.0.0.0 to listen on every interface")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--served-model-name", default=None, help="the name clients use (default: --model)")
+    serve.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    serve.add_argument("--shutdown-timeout", type=float, default=30.0,
+                       help="seconds running requests get to finish after SIGINT/SIGTERM, then aborted")
+    add_engine_flags(serve)
     return parser
 
 
@@ -109,10 +123,20 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "generate":
             return _generate(args)
         if args.command == "bench":
+            if args.url:
+                from llmopt.server.load import bench_url
+
+                print(bench_url(args))
+                return 0
             from llmopt.bench import run_bench
 
             print(run_bench(args))
             return 0
+        if args.command == "serve":
+            from llmopt.server import serve
+
+            return serve(engine_kwargs(args), args.host, args.port, args.served_model_name, args.threads,
+                         args.shutdown_timeout)
     except (ValueError, TypeError) as e:
         print(f"llmopt {args.command}: error: {e}", file=sys.stderr)
         return 2

@@ -1,0 +1,14 @@
+"""An OpenAI-compatible HTTP server on the engine: `llmopt serve`.
+
+    protocol.py      OpenAI's request fields, checked one by one; responses and stream chunks
+    async_engine.py  the engine loop in a background thread, one asyncio queue per client
+    detokenizer.py   token ids -> text deltas for streaming
+    metrics.py       Prometheus metrics (`llmopt:` prefix), recorded after each engine step
+    api_server.py    the FastAPI app, server-sent events, graceful shutdown
+    load.py          a load generator: Poisson arrivals, streaming clients, TTFT / TPOT / throughput
+"""
+
+from llmopt.server.api_server import build_app, serve
+from llmopt.server.async_engine import AsyncLLM
+
+__all__ = ["AsyncLLM", "build_app", "serve"]

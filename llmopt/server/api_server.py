@@ -1,0 +1,279 @@
+"""`llmopt serve`: the engine behind OpenAI's HTTP API (FastAPI on uvicorn).
+
+    llmopt serve --model tiny --port 8000
+    curl http://127.0.0.1:8000/v1/completions -H "Content-Type: application/json" \\
+        -d '{"model": "tiny", "prompt": "def fibonacci(n):", "max_tokens": 32, "temperature": 0}'
+
+The path of a request: the body is read (up to a size limit) and parsed field by field
+(protocol.py); the prompt is tokenized here (a chat's messages through the tokenizer's
+chat template) and checked against the engine's limits, so that a bad request gets its
+4xx before any engine work. Then it goes to the engine thread (async_engine.py), which
+admits it between two steps, and its outputs come back step by step: as server-sent
+events in OpenAI's chunk format with `"stream": true`, else as one JSON answer at the end.
+A client that disconnects aborts its request. SIGINT / SIGTERM stop admitting, let the
+requests in flight finish (up to a timeout, then abort them), and exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import signal
+import threading
+import time
+from contextlib import asynccontextmanager
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from llmopt.config import EngineConfig
+from llmopt.server.async_engine import AsyncLLM, EngineUnavailable
+from llmopt.server.detokenizer import IncrementalDetokenizer
+from llmopt.server.protocol import (APIError, ParsedRequest, chat_chunk, chat_response, completion_chunk,
+                                    completion_response, new_id, parse_chat, parse_completion, usage,
+                                    usage_chunk)
+
+MAX_REQUEST_BYTES = 1 << 20  # 1 MiB of JSON is far more than any prompt max_model_len allows
+
+
+def build_app(llm: AsyncLLM, max_request_bytes: int = MAX_REQUEST_BYTES) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        llm.start()
+        yield
+        llm.shutdown()
+
+    app = FastAPI(title="llmopt", lifespan=lifespan)
+    app.state.llm = llm
+
+    # -- errors in OpenAI's shape -------------------------------------------------------------
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, e: APIError):
+        return JSONResponse(e.to_dict(), status_code=e.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException):  # unknown path, wrong method
+        err = APIError(f"{e.detail}: {request.method} {request.url.path}", status=e.status_code)
+        return JSONResponse(err.to_dict(), status_code=e.status_code)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, e: Exception):
+        err = APIError(f"internal error: {type(e).__name__}: {e}", status=500, type="internal_error")
+        return JSONResponse(err.to_dict(), status_code=500)
+
+    # -- endpoints ------------------------------------------------------------------------------
+    @app.get("/health")
+    async def health():
+        if not (llm.healthy and llm.accepting):
+            return JSONResponse({"status": "unavailable"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": llm.model_name, "object": "model", "created": 0,
+                                            "owned_by": "llmopt", "max_model_len": llm.max_model_len}]}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(llm.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await _serve_request(llm, request, chat=False, max_bytes=max_request_bytes)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await _serve_request(llm, request, chat=True, max_bytes=max_request_bytes)
+
+    return app
+
+
+# -- one request ---------------------------------------------------------------------------------
+async def _read_json(request: Request, max_bytes: int):
+    declared = request.headers.get("content-length", "")
+    too_big = APIError(f"the request body is larger than {max_bytes:,} bytes", status=413,
+                       code="request_too_large")
+    if declared.isdigit() and int(declared) > max_bytes:
+        raise too_big
+    body = bytearray()
+    async for part in request.stream():
+        body += part
+        if len(body) > max_bytes:
+            raise too_big
+    try:
+        return json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(f"the request body is not valid JSON ({e})") from None
+
+
+def _tokenize(llm: AsyncLLM, req: ParsedRequest) -> tuple[str | None, list[int]]:
+    tok = llm.tokenizer
+    if req.is_chat:
+        if not getattr(tok, "chat_template", None):
+            raise APIError("this model's tokenizer has no chat template; use /v1/completions", param="messages")
+        try:
+            text = tok.apply_chat_template(req.messages, tokenize=False, add_generation_prompt=True)
+        except Exception as e:  # a template may refuse a conversation (e.g. roles out of order)
+            raise APIError(f"the chat template rejected the messages: {e}", param="messages") from None
+        # the template writes the special tokens (BOS, turn markers) itself
+        return text, tok(text, add_special_tokens=False)["input_ids"]
+    if isinstance(req.prompt, str):
+        return req.prompt, tok(req.prompt)["input_ids"]  # with BOS, as LLM.generate does
+    return None, list(req.prompt)
+
+
+async def _serve_request(llm: AsyncLLM, request: Request, chat: bool, max_bytes: int):
+    arrival = time.perf_counter()
+    body = await _read_json(request, max_bytes)
+    req = parse_chat(body, llm.model_name) if chat else parse_completion(body, llm.model_name)
+    text, ids = _tokenize(llm, req)
+    try:
+        llm.check(text, ids, req.params)
+    except ValueError as e:
+        msg = str(e)
+        if msg.startswith("prompt"):
+            param, msg = ("messages" if chat else "prompt"), msg.replace("prompt 0", "the prompt", 1)
+        else:
+            param, msg = "max_tokens", msg.replace("request 0", "the request", 1)
+        raise APIError(msg, param=param) from None
+    if not (llm.accepting and llm.healthy):
+        raise APIError("the server is shutting down or its engine has stopped; retry elsewhere",
+                       status=503, type="service_unavailable")
+    rid = new_id("chatcmpl" if chat else "cmpl")
+    outputs = llm.generate(rid, text, ids, req.params, req.priority, arrival)
+    if req.stream:
+        return _EventStream(_events(llm, req, rid, len(ids), outputs), on_close=lambda: llm.abort(rid))
+    return await _whole_answer(llm, request, req, rid, len(ids), outputs)
+
+
+async def _whole_answer(llm, request: Request, req: ParsedRequest, rid: str, n_prompt: int, outputs):
+    """Wait for the finished output, unless the client hangs up first (then abort)."""
+    async def last_output():
+        final = None
+        async for out in outputs:
+            final = out
+        return final
+
+    async def client_gone():
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    work, watch = asyncio.ensure_future(last_output()), asyncio.ensure_future(client_gone())
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not work.done():
+            work.cancel()
+            llm.abort(rid)
+    if work.cancelled():
+        return Response(status_code=499)  # nobody is listening any more
+    try:
+        final = work.result()
+    except EngineUnavailable as e:
+        raise APIError(str(e), status=503, type="service_unavailable") from None
+    c = final.outputs[0]
+    use = usage(n_prompt, len(c.token_ids))
+    make = chat_response if req.is_chat else completion_response
+    return make(rid, llm.model_name, c.text, c.finish_reason, use)
+
+
+def _sse(data: dict | str) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data, separators=(',', ':'))}\n\n"
+
+
+async def _events(llm: AsyncLLM, req: ParsedRequest, rid: str, n_prompt: int, outputs):
+    """Server-sent events: a chunk per step that produced text, the finish reason on the last,
+    then (if asked) a usage chunk, then `[DONE]`."""
+    model, created, chat = llm.model_name, int(time.time()), req.is_chat
+    detok = IncrementalDetokenizer(llm.tokenizer, req.params.skip_special_tokens, req.params.stop_strings)
+    if chat:
+        yield _sse(chat_chunk(rid, model, created, {"role": "assistant", "content": ""}, None))
+    n_out = 0
+    try:
+        async for out in outputs:
+            c = out.outputs[0]
+            n_out = len(c.token_ids)
+            delta = detok.step(c.token_ids, c.text if out.finished else None)
+            reason = c.finish_reason if out.finished else None
+            if delta or reason:
+                yield _sse(chat_chunk(rid, model, created, {"content": delta} if delta else {}, reason) if chat
+                           else completion_chunk(rid, model, created, delta, reason))
+    except EngineUnavailable as e:
+        yield _sse(APIError(str(e), status=503, type="service_unavailable").to_dict())
+    else:
+        if req.include_usage:
+            yield _sse(usage_chunk(rid, model, created, chat, usage(n_prompt, n_out)))
+    yield _sse("[DONE]")
+
+
+class _EventStream(StreamingResponse):
+    """An SSE response that aborts its request however the stream ends (done, client gone,
+    server shutting down); aborting a finished request does nothing."""
+
+    def __init__(self, events, on_close):
+        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
+
+
+# -- the process ---------------------------------------------------------------------------------
+class _GracefulServer(uvicorn.Server):
+    """uvicorn, with two changes: the engine stops admitting as soon as a signal arrives, and
+    a clean shutdown exits 0 (uvicorn re-raises the signal after shutting down)."""
+
+    def __init__(self, config: uvicorn.Config, llm: AsyncLLM):
+        super().__init__(config)
+        self.llm = llm
+
+    def handle_exit(self, sig, frame) -> None:
+        self.llm.accepting = False
+        super().handle_exit(sig, frame)
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
+def serve(engine_kwargs: dict, host: str = "127.0.0.1", port: int = 8000, served_model_name: str | None = None,
+          threads: int | None = None, shutdown_timeout: float = 30.0,
+          max_request_bytes: int = MAX_REQUEST_BYTES) -> int:
+    """Load the model, serve until SIGINT / SIGTERM, return the exit status."""
+    import prometheus_client
+    import torch
+
+    if not isinstance(port, int) or not 0 <= port <= 65535:
+        raise ValueError(f"port must be in 0..65535, got {port!r}")
+    if threads is not None:
+        if threads < 1:
+            raise ValueError(f"threads must be >= 1, got {threads}")
+        torch.set_num_threads(threads)
+    if not shutdown_timeout >= 0:
+        raise ValueError(f"shutdown_timeout must be >= 0 seconds, got {shutdown_timeout}")
+    prometheus_client.disable_created_metrics()  # no `_created` series beside each counter
+    llm = AsyncLLM(EngineConfig(**engine_kwargs), served_model_name)
+    e = llm.engine
+    print(f"llmopt serve: model {llm.model_name!r} on {e.device} ({e.dtype}), {e.num_blocks:,} KV blocks of "
+          f"{e.block_size} tokens, max_model_len {e.max_model_len}, max_num_seqs {e.config.max_num_seqs}",
+          flush=True)
+    config = uvicorn.Config(build_app(llm, max_request_bytes), host=host, port=port, log_level="info",
+                            access_log=False, timeout_graceful_shutdown=shutdown_timeout)
+    _GracefulServer(config, llm).run()
+    return 0

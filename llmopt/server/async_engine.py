@@ -1,0 +1,173 @@
+"""One engine, many HTTP clients: the engine loop runs in a background thread.
+
+The engine is not thread-safe, and a step must not block the event loop that serves the
+HTTP connections. So the engine lives in a thread of its own, which repeats:
+
+    admit the requests that arrived since the last step   (continuous batching:
+    drop the requests whose clients went away               requests join and leave
+    run one step                                            between any two steps)
+    hand each request's new output to the client waiting for it
+
+Each client waits on an asyncio queue; the engine thread puts outputs into it with
+`loop.call_soon_threadsafe`. Outputs are cumulative (all tokens so far), so a client that
+falls behind skips to the newest. A client that leaves (disconnect, cancel) aborts its
+request, which frees its KV blocks at the next turn of the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import AsyncIterator
+
+from llmopt.config import EngineConfig
+from llmopt.engine.llm_engine import LLMEngine
+from llmopt.outputs import RequestOutput
+from llmopt.sampling_params import SamplingParams
+from llmopt.server.metrics import ServerMetrics
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine takes no new requests: it is shutting down, or a step failed."""
+
+
+class AsyncLLM:
+    def __init__(self, config: EngineConfig, served_model_name: str | None = None):
+        from transformers import AutoTokenizer
+
+        self.engine = LLMEngine(config)
+        self.model_name = served_model_name or config.model
+        # The front end's own tokenizer: the engine thread decodes with the engine's at the
+        # same time, and one Rust tokenizer must not be used from two threads at once.
+        self.tokenizer = AutoTokenizer.from_pretrained(str(config.tokenizer or self.engine.model_path))
+        self.metrics = ServerMetrics(self.model_name)
+        self.metrics.record_engine(self.engine.get_metrics())
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._new: list[tuple] = []       # (request_id, text, token ids, params, priority, arrival)
+        self._aborts: list[str] = []
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stopping = False
+        self.accepting = True
+        self.error: BaseException | None = None   # set if a step raised: the engine is dead
+        self._thread = threading.Thread(target=self._run, name="llmopt-engine", daemon=True)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def healthy(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    # -- the event loop's side ----------------------------------------------------------------
+    def check(self, text: str | None, token_ids: list[int], params: SamplingParams) -> None:
+        """The engine's own checks (prompt length, vocabulary, KV pool), run before admission;
+        they read only fixed sizes, so they are safe to call outside the engine thread."""
+        self.engine.validate_prompt({"prompt_token_ids": token_ids, "prompt": text}, 0)
+        self.engine.validate_request(token_ids, params, 0)
+
+    async def generate(self, request_id: str, text: str | None, token_ids: list[int], params: SamplingParams,
+                       priority: int = 0, arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
+        """Yield the request's cumulative output after each step it takes part in; the last one
+        has `finished=True`. Leaving early (break, cancel, an exception) aborts the request."""
+        if not self.accepting or not self.healthy:
+            raise EngineUnavailable("the server is shutting down" if self.error is None
+                                    else f"the engine failed: {self.error!r}")
+        queue: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = (asyncio.get_running_loop(), queue)
+        with self._lock:
+            self._new.append((request_id, text, token_ids, params, priority,
+                              arrival_time if arrival_time is not None else time.perf_counter()))
+        self._wake.set()
+        finished = False
+        try:
+            while not finished:
+                item = await queue.get()
+                while isinstance(item, RequestOutput) and not item.finished and not queue.empty():
+                    item = queue.get_nowait()  # outputs are cumulative: the newest says it all
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            self._aborts.append(request_id)
+        self._wake.set()
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Abort whatever is still queued or running, and stop the engine thread."""
+        self.accepting = False
+        with self._lock:
+            self._stopping = True
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    # -- the engine thread ---------------------------------------------------------------------
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while True:
+                self._wake.clear()  # before reading the inbox: a later set() is never lost
+                with self._lock:
+                    new, self._new = self._new, []
+                    aborts, self._aborts = self._aborts, []
+                    stopping = self._stopping
+                for rid, text, ids, params, priority, arrival in new:
+                    try:
+                        engine.add_request(rid, {"prompt_token_ids": ids, "prompt": text}, params,
+                                           arrival_time=arrival, priority=priority)
+                    except ValueError as e:  # checked before already; kept for safety
+                        self._deliver(rid, e)
+                for rid in aborts:
+                    self._abort_now(rid)
+                if stopping:
+                    for rid in list(engine.requests):
+                        self._abort_now(rid)
+                    self.metrics.record_engine(engine.get_metrics())
+                    return
+                if not engine.has_unfinished_requests():
+                    self.metrics.record_engine(engine.get_metrics())
+                    self._wake.wait()
+                    continue
+                outputs = engine.step()
+                for out in outputs:
+                    self._deliver(out.request_id, out)
+                self.metrics.record_outputs(outputs)
+                self.metrics.record_engine(engine.get_metrics())
+        except BaseException as e:  # a failed step leaves the engine in an unknown state
+            self.error = e
+            self.accepting = False
+            for rid in list(self._streams):
+                self._deliver(rid, EngineUnavailable(f"the engine failed: {e!r}"))
+            raise
+
+    def _abort_now(self, rid: str) -> None:
+        """Abort in the engine (its blocks go back to the pool); tell a client still waiting."""
+        seq = self.engine.requests.get(rid)
+        if seq is None:
+            return  # finished in the meantime, or never admitted
+        self.engine.abort_request(rid)
+        seq.finalize_text(self.engine.tokenizer)
+        self.metrics.finished(rid, "abort", seq.metrics)
+        self._deliver(rid, seq.to_output())
+
+    def _deliver(self, rid: str, item) -> None:
+        entry = self._streams.get(rid)
+        if entry is None:
+            return  # the client has left
+        loop, queue = entry
+        try:
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+        except RuntimeError:
+            pass  # the event loop is closed: the server is gone

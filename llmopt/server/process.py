@@ -1,0 +1,96 @@
+"""`llmopt serve` as a child process: start it, wait until it answers, stop it with a signal.
+
+    with ServerProcess(["--model", "tiny", "--threads", "1"]) as server:
+        print(server.url)                  # http://127.0.0.1:<free port>
+    print(server.returncode)               # 0: it shut down cleanly on SIGINT
+
+Tests, the load benchmark and lesson 08 all run the real server this way: a separate
+process, reached only over HTTP, as any client would reach it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, args: list[str] | None = None, host: str = "127.0.0.1", port: int | None = None,
+                 threads: int | None = 1, env: dict[str, str] | None = None):
+        self.host, self.port = host, port or free_port(host)
+        self.args = list(args or [])
+        if threads is not None and "--threads" not in self.args:
+            self.args += ["--threads", str(threads)]
+        self.env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
+                    **({"OMP_NUM_THREADS": str(threads)} if threads else {}), **(env or {})}
+        self.proc: subprocess.Popen | None = None
+        self.log_path: str | None = None
+        self.returncode: int | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "llmopt", "serve", "--host", self.host, "--port", str(self.port), *self.args]
+
+    def start(self, timeout: float = 180.0) -> ServerProcess:
+        """Start the server and wait until /health answers 200 (the model is loaded)."""
+        log = tempfile.NamedTemporaryFile("w", prefix="llmopt-serve-", suffix=".log", delete=False)
+        self.log_path = log.name
+        self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, env=self.env)
+        log.close()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"llmopt serve exited with {self.proc.returncode} while starting:\n{self.log()}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
+                    if r.status == 200:
+                        return self
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(0.2)
+        self.stop(signal.SIGKILL)
+        raise RuntimeError(f"llmopt serve did not answer /health within {timeout} s:\n{self.log()}")
+
+    def log(self) -> str:
+        if self.log_path is None:
+            return ""
+        with open(self.log_path) as f:
+            return f.read()
+
+    def stop(self, sig: int = signal.SIGINT, timeout: float = 60.0) -> int:
+        """Send `sig` and wait for the exit status (killed if it is not gone within `timeout`)."""
+        if self.proc is None:
+            raise RuntimeError("the server was never started")
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.returncode = self.proc.returncode
+        return self.returncode
+
+    def __enter__(self) -> ServerProcess:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        if self.stop() == 0 and self.log_path is not None:
+            os.unlink(self.log_path)  # kept for a look when the exit was not clean
