@@ -20,6 +20,14 @@ same thing tile by tile with an online softmax (FlashAttention's running max and
 fp32), gathering each tile of keys through the block table: `paged_attention_decode` for
 one new token per sequence, `paged_attention_prefill` for any mix of prompts, prompt
 chunks and decodes. `paged_attention` picks one.
+
+FP8 caches. The pool may hold float8 (e4m3 or e5m2, one byte per number) instead of the
+model's dtype, with one scale per tensor for keys and one for values (per layer, kept by
+the caller): `write_kv` stores fp8(clamp(k / k_scale)), and attention reads k ~ fp8 * k_scale.
+The kernels load the fp8 tile and widen it to the queries' dtype, which is exact (every
+e4m3 and e5m2 value is a float16 and a bfloat16 value), then fold the scales into the
+arithmetic instead of into every element: q . (k * k_scale) = (q . k) * k_scale, and
+sum p (v * v_scale) = (sum p v) * v_scale.
 """
 
 from __future__ import annotations
@@ -35,26 +43,49 @@ SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
 MIN_DOT = 16
 # "No sliding window" is a window longer than any sequence: one code path for both.
 NO_WINDOW = 1 << 30
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def is_fp8_cache(cache: torch.Tensor) -> bool:
+    return cache.dtype in FP8_DTYPES
+
+
+def _to_cache_dtype(x: torch.Tensor, cache: torch.Tensor, scale: float) -> torch.Tensor:
+    """What a value becomes in the cache: itself, or fp8(clamp(x / scale)) for an fp8 cache.
+    The clamp is needed: a cast past the largest finite value is NaN (e4m3) or inf (e5m2)."""
+    if not is_fp8_cache(cache):
+        return x.to(cache.dtype)
+    fmax = torch.finfo(cache.dtype).max
+    return (x.float() / scale).clamp(-fmax, fmax).to(cache.dtype)
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+             slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """Store new tokens' keys and values in the pool, before attention reads them.
 
     k, v: [num_tokens, num_kv_heads, head_dim]; slot_mapping[t] = block * block_size + offset.
     Viewing the pool as one long row of slots turns the write into a plain index_copy_.
+    An fp8 pool stores fp8(clamp(k / k_scale)) and fp8(clamp(v / v_scale)).
     """
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     slots = slot_mapping.long()
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k.to(k_cache.dtype))
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v.to(v_cache.dtype))
+    for x, cache, scale in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
+        x = _to_cache_dtype(x, cache, scale)
+        if is_fp8_cache(cache):
+            # copy the bytes: index_copy_ has no float8 version on every device, uint8 it has
+            cache, x = cache.view(torch.uint8), x.view(torch.uint8)
+        cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, x)
 
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                         seq_lens: torch.Tensor, scale: float,
-                        sliding_window: int | None = None) -> torch.Tensor:
-    """The reference: one sequence at a time, gather its keys and values, masked softmax."""
+                        sliding_window: int | None = None,
+                        k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+    """The reference: one sequence at a time, gather its keys and values, masked softmax.
+
+    Keys and values are read as fp32 times their scale (1.0 for a cache in the model's dtype).
+    """
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = q.shape[1] // num_kv_heads
     out = torch.empty_like(q)
@@ -65,8 +96,8 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         # Follow the block table: the sequence's blocks, in order, then drop the unused
         # tail of its last block.
         blocks = block_tables[i, :(seq_len + block_size - 1) // block_size].long()
-        k = k_cache[blocks].flatten(0, 1)[:seq_len].float()      # [seq_len, Hkv, D]
-        v = v_cache[blocks].flatten(0, 1)[:seq_len].float()
+        k = k_cache[blocks].flatten(0, 1)[:seq_len].float() * k_scale   # [seq_len, Hkv, D]
+        v = v_cache[blocks].flatten(0, 1)[:seq_len].float() * v_scale
         k = k.repeat_interleave(group, dim=1)                      # GQA: [seq_len, Hq, D]
         v = v.repeat_interleave(group, dim=1)
 
@@ -87,8 +118,28 @@ if HAS_TRITON:
     import triton.language as tl
 
     @triton.jit
+    def _e4m3_from_bits(x):
+        """float8_e4m3fn bytes (uint8) -> fp32, by integer arithmetic on the bit fields.
+
+        For GPUs before compute capability 8.9, where Triton has no e4m3 type: there FP8 is
+        a storage format only, and widening it is a few shifts (as vLLM's kernels do there).
+        Normal numbers move their exponent from bias 7 to fp32's bias 127 and their 3
+        mantissa bits to the top of fp32's 23; subnormals (exponent 0) are m * 2^-9.
+        The NaN pattern never occurs: writes clamp to +-448.
+        """
+        b = x.to(tl.uint32)
+        exp = (b >> 3) & 0xF
+        man = b & 0x7
+        sign = (b & 0x80) << 24
+        normal = (sign | ((exp + 120) << 23) | (man << 20)).to(tl.float32, bitcast=True)
+        sub = man.to(tl.float32) * 0.001953125
+        sub = tl.where(sign != 0, -sub, sub)
+        return tl.where(exp == 0, sub, normal)
+
+    @triton.jit
     def _load_kv_tile(k_cache_ptr, v_cache_ptr, block_table_ptr, k_pos, k_ok, kv_head, dims,
-                      stride_block, stride_slot, stride_head, BLOCK_SIZE: tl.constexpr):
+                      stride_block, stride_slot, stride_head, BLOCK_SIZE: tl.constexpr,
+                      E4M3_BITS: tl.constexpr):
         """Gather keys and values at positions k_pos of one sequence through its block table.
 
         Each position looks up its own block, so one tile may span several small blocks or
@@ -100,6 +151,9 @@ if HAS_TRITON:
         offsets = row[:, None] + kv_head * stride_head + dims[None, :]
         k = tl.load(k_cache_ptr + offsets, mask=k_ok[:, None], other=0.0)
         v = tl.load(v_cache_ptr + offsets, mask=k_ok[:, None], other=0.0)
+        if E4M3_BITS:  # the pool was passed as bytes: decode them here
+            k = _e4m3_from_bits(k)
+            v = _e4m3_from_bits(v)
         return k, v
 
     @triton.jit
@@ -113,17 +167,18 @@ if HAS_TRITON:
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PRECISION)
         return m_new, l_i, acc
 
     @triton.jit
     def _paged_decode_kernel(
             out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
-            scale, window,
+            scale, k_scale, v_scale, window,
             stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
             stride_block, stride_slot, stride_head, stride_table,
             QUERIES_PER_KV: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-            BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+            BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+            E4M3_BITS: tl.constexpr):
         seq = tl.program_id(0)
         kv_head = tl.program_id(1)
         seq_len = tl.load(seq_lens_ptr + seq)
@@ -143,6 +198,8 @@ if HAS_TRITON:
         l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
         acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
 
+        # k_scale multiplies every score, v_scale every output: folded in once, not per element.
+        qk_scale = scale * k_scale
         # Tiles wholly before the sliding window are skipped, not just masked.
         lo = tl.maximum(q_pos - window + 1, 0) // BLOCK_N * BLOCK_N
         block_table_ptr = block_tables_ptr + seq * stride_table
@@ -151,23 +208,27 @@ if HAS_TRITON:
             k_ok = k_pos < seq_len
             k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, block_table_ptr, k_pos, k_ok,
                                  kv_head, dims, stride_block, stride_slot, stride_head,
-                                 BLOCK_SIZE)
+                                 BLOCK_SIZE, E4M3_BITS)
+            # widen an fp8 tile to the queries' dtype (exact); a no-op for a full-precision pool
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
             allowed = (k_ok & (k_pos > q_pos - window))[None, :]
-            m_i, l_i, acc = _online_softmax_step(q, k, v, allowed, m_i, l_i, acc, scale,
+            m_i, l_i, acc = _online_softmax_step(q, k, v, allowed, m_i, l_i, acc, qk_scale,
                                                  DOT_PRECISION)
 
-        out = acc / l_i[:, None]
+        out = acc * (v_scale / l_i)[:, None]
         tl.store(out_ptr + seq * stride_o_tok + heads[:, None] * stride_o_head + dims[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
     @triton.jit
     def _paged_prefill_kernel(
             out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr,
-            seq_lens_ptr, scale, window,
+            seq_lens_ptr, scale, k_scale, v_scale, window,
             stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
             stride_block, stride_slot, stride_head, stride_table,
             QUERIES_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+            E4M3_BITS: tl.constexpr):
         q_tile = tl.program_id(0)
         seq = tl.program_id(1)
         head = tl.program_id(2)
@@ -191,6 +252,7 @@ if HAS_TRITON:
         m_i = tl.full([BLOCK_M], -1e30, dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        qk_scale = scale * k_scale
 
         # This tile's queries see keys from its first query's window start up to its last
         # query's own position: causality bounds the loop, not only the mask.
@@ -203,14 +265,17 @@ if HAS_TRITON:
             k_ok = k_pos < end_pos
             k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, block_table_ptr, k_pos, k_ok,
                                  kv_head, dims, stride_block, stride_slot, stride_head,
-                                 BLOCK_SIZE)
+                                 BLOCK_SIZE, E4M3_BITS)
+            # widen an fp8 tile to the queries' dtype (exact); a no-op for a full-precision pool
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
             allowed = ((k_pos[None, :] <= q_pos[:, None])
                        & (k_pos[None, :] > q_pos[:, None] - window) & k_ok[None, :])
-            m_i, l_i, acc = _online_softmax_step(q, k, v, allowed, m_i, l_i, acc, scale,
+            m_i, l_i, acc = _online_softmax_step(q, k, v, allowed, m_i, l_i, acc, qk_scale,
                                                  DOT_PRECISION)
 
         # Padding rows past query_len saw no key; keep their division finite, they are not stored.
-        out = acc / tl.where(row_ok, l_i, 1.0)[:, None]
+        out = acc * (v_scale / tl.where(row_ok, l_i, 1.0))[:, None]
         tl.store(out_ptr + (q_start + rows)[:, None] * stride_o_tok + head * stride_o_head
                  + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
@@ -228,7 +293,12 @@ def _check_and_tile(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         f"block_size must be a power of two >= 8, got {block_size}"
     assert q.shape[-1] == head_dim and q.shape[1] % num_kv_heads == 0, \
         "q must be [num_tokens, num_heads, head_dim] with num_heads a multiple of num_kv_heads"
-    assert q.dtype == k_cache.dtype, "q and the cache must share a dtype (tl.dot needs it)"
+    assert v_cache.dtype == k_cache.dtype, "k_cache and v_cache must share a dtype"
+    if q.dtype in FP8_DTYPES:
+        raise TypeError(f"q must be float32, float16 or bfloat16, got {q.dtype}; only the cache may be fp8")
+    if not is_fp8_cache(k_cache):
+        # (an fp8 pool is widened to q's dtype tile by tile inside the kernel)
+        assert q.dtype == k_cache.dtype, "q and the cache must share a dtype (tl.dot needs it)"
     assert sliding_window is None or sliding_window >= 1
     # One block per tile, or several small blocks together so a tile has >= 16 keys.
     block_n = max(block_size, MIN_DOT)
@@ -238,26 +308,52 @@ def _check_and_tile(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return q.shape[1] // num_kv_heads, block_n, window, precision
 
 
+def _check_scales(k_scale, v_scale) -> tuple[float, float]:
+    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+        s = float(s)
+        if not (s > 0 and s != float("inf")):
+            raise ValueError(f"{name} must be a positive finite number, got {s}")
+    return float(k_scale), float(v_scale)
+
+
+def triton_has_e4m3(device: torch.device) -> bool:
+    """Triton knows the e4m3 type on CUDA from compute capability 8.9 (Ada, Hopper) on, and
+    in the interpreter; e5m2 it knows everywhere."""
+    if device.type != "cuda":
+        return True
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def _kv_operands(k_cache: torch.Tensor, v_cache: torch.Tensor):
+    """The pool as the kernel reads it, and whether it must decode e4m3 from raw bytes."""
+    if k_cache.dtype == torch.float8_e4m3fn and not triton_has_e4m3(k_cache.device):
+        return k_cache.view(torch.uint8), v_cache.view(torch.uint8), True
+    return k_cache, v_cache, False
+
+
 def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                           sliding_window: int | None = None) -> torch.Tensor:
+                           sliding_window: int | None = None,
+                           k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """One new token per sequence: q [num_seqs, num_heads, head_dim], its key already cached.
 
     One program per (sequence, kv head) walks the sequence's blocks in order.
     """
     queries_per_kv, block_n, window, precision = _check_and_tile(q, k_cache, v_cache,
                                                                  sliding_window)
+    k_scale, v_scale = _check_scales(k_scale, v_scale)
     q = q.contiguous()
     out = torch.empty_like(q)
     num_seqs, num_kv_heads = seq_lens.shape[0], k_cache.shape[2]
+    k_pool, v_pool, e4m3_bits = _kv_operands(k_cache, v_cache)
     _paged_decode_kernel[(num_seqs, num_kv_heads)](
-        out, q, k_cache, v_cache, block_tables, seq_lens, scale, window,
+        out, q, k_pool, v_pool, block_tables, seq_lens, scale, k_scale, v_scale, window,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         QUERIES_PER_KV=queries_per_kv,
         GROUP_PAD=max(MIN_DOT, triton.next_power_of_2(queries_per_kv)),
         HEAD_DIM=k_cache.shape[3], BLOCK_SIZE=k_cache.shape[1], BLOCK_N=block_n,
-        DOT_PRECISION=precision)
+        DOT_PRECISION=precision, E4M3_BITS=e4m3_bits)
     return out
 
 
@@ -265,7 +361,8 @@ def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                             seq_lens: torch.Tensor, scale: float,
                             sliding_window: int | None = None,
-                            max_query_len: int | None = None) -> torch.Tensor:
+                            max_query_len: int | None = None,
+                            k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """Any batch of prompts, prompt chunks after cached context, and decodes, in one call.
 
     One program per (tile of BLOCK_M queries, sequence, query head). Pass max_query_len
@@ -273,6 +370,7 @@ def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     """
     queries_per_kv, block_n, window, precision = _check_and_tile(q, k_cache, v_cache,
                                                                  sliding_window)
+    k_scale, v_scale = _check_scales(k_scale, v_scale)
     if max_query_len is None:
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
     # Short chunks waste fewer padding rows in small tiles; long prompts reuse each
@@ -282,19 +380,22 @@ def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     out = torch.empty_like(q)
     num_seqs, num_heads = seq_lens.shape[0], q.shape[1]
     grid = (triton.cdiv(max_query_len, block_m), num_seqs, num_heads)
+    k_pool, v_pool, e4m3_bits = _kv_operands(k_cache, v_cache)
     _paged_prefill_kernel[grid](
-        out, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, window,
+        out, q, k_pool, v_pool, block_tables, query_start_loc, seq_lens, scale, k_scale, v_scale,
+        window,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         QUERIES_PER_KV=queries_per_kv, HEAD_DIM=k_cache.shape[3], BLOCK_SIZE=k_cache.shape[1],
-        BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION=precision)
+        BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION=precision, E4M3_BITS=e4m3_bits)
     return out
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                     seq_lens: torch.Tensor, scale: float, sliding_window: int | None = None,
-                    max_query_len: int | None = None) -> torch.Tensor:
+                    max_query_len: int | None = None,
+                    k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """The decode kernel when every sequence brings exactly one token, else the prefill one.
 
     Every sequence brings at least one token, so num_tokens == num_seqs means all are
@@ -302,6 +403,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """
     if max_query_len == 1 or (max_query_len is None and q.shape[0] == seq_lens.shape[0]):
         return paged_attention_decode(q, k_cache, v_cache, block_tables, seq_lens, scale,
-                                      sliding_window)
+                                      sliding_window, k_scale, v_scale)
     return paged_attention_prefill(q, k_cache, v_cache, block_tables, query_start_loc,
-                                   seq_lens, scale, sliding_window, max_query_len)
+                                   seq_lens, scale, sliding_window, max_query_len,
+                                   k_scale, v_scale)

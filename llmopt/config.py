@@ -34,6 +34,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"
     kv_cache_dtype: str = "auto"
+    calculate_kv_scales: bool = False  # FP8 KV: measure k/v scales on calibration text at load
     quantization: str | None = None
     speculative_config: dict | None = None
     seed: int = 0
@@ -61,7 +62,8 @@ class EngineConfig:
         _real("cpu_kv_cache_space", self.cpu_kv_cache_space)
         if not self.cpu_kv_cache_space > 0:
             raise ValueError(f"cpu_kv_cache_space (GiB) must be > 0, got {self.cpu_kv_cache_space}")
-        for name in ("enable_chunked_prefill", "enable_prefix_caching", "enforce_eager", "enable_trace"):
+        for name in ("enable_chunked_prefill", "enable_prefix_caching", "enforce_eager", "enable_trace",
+                     "calculate_kv_scales"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.scheduling_policy not in ("fcfs", "priority"):
@@ -75,9 +77,12 @@ class EngineConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
                              f"got {self.kv_cache_dtype!r}")
-        if self.kv_cache_dtype != "auto":
-            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r}: the FP8 KV cache is not "
-                             "implemented in this version; allowed now: 'auto'")
+        if self.kv_cache_dtype != "auto" and not hasattr(torch, "float8_e4m3fn"):
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} needs torch's float8 dtypes "
+                             f"(torch >= 2.1; this is {torch.__version__}); allowed here: 'auto'")
+        if self.calculate_kv_scales and self.kv_cache_dtype == "auto":
+            raise ValueError("calculate_kv_scales=True calibrates the scales of an FP8 KV cache; "
+                             "set kv_cache_dtype='fp8' (or 'fp8_e5m2') too")
         if self.quantization not in QUANTIZATION:
             raise ValueError(f"quantization must be None, 'fp8' or 'int8', got {self.quantization!r}")
         if self.quantization is not None:

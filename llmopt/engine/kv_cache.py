@@ -12,14 +12,24 @@ the sequence has so far. How tokens are laid out in memory is the cache's busine
 
 A step's batch is flattened: the new tokens of all sequences one after another, as
 vLLM lays them out; `begin_step` tells the cache which sequence owns which tokens.
+
+The paged cache can also store its blocks in FP8 (`kv_cache_dtype="fp8"`): one byte per
+number instead of two (bf16) or four (fp32), so the same memory holds 2x (or 4x) the
+tokens. Each layer then keeps a per-tensor `k_scale` and `v_scale`: the pool holds
+fp8(clamp(k / k_scale)) and attention reads fp8 * k_scale. The scales come from the
+checkpoint (as llm-compressor and vLLM name them), from calibration (the largest |k| and
+|v| over calibration text, mapped onto the format's largest value), or are 1.0.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
+from llmopt.fp8 import KV_CACHE_FP8_DTYPES, is_fp8, scale_from_amax
 from llmopt.kernels.paged_attention import paged_attention, write_kv
 from llmopt.layers.attention import batched_decode_attention, sequence_attention
 
@@ -152,6 +162,21 @@ class PagedBatch:
         return [c + q for c, q in zip(self.context_lens, self.query_lens)]
 
 
+def kv_cache_torch_dtype(kv_cache_dtype: str | torch.dtype, model_dtype: torch.dtype) -> torch.dtype:
+    """vLLM's kv_cache_dtype names -> the pool's torch dtype ("auto": the model's dtype)."""
+    if is_fp8(model_dtype):
+        raise ValueError(f"the model's dtype cannot be {model_dtype}: attention computes in "
+                         "float32/float16/bfloat16; put FP8 in the cache with kv_cache_dtype='fp8'")
+    if kv_cache_dtype == "auto":
+        return model_dtype
+    if isinstance(kv_cache_dtype, torch.dtype) and (is_fp8(kv_cache_dtype) or kv_cache_dtype == model_dtype):
+        return kv_cache_dtype
+    if isinstance(kv_cache_dtype, str) and kv_cache_dtype in KV_CACHE_FP8_DTYPES:
+        return KV_CACHE_FP8_DTYPES[kv_cache_dtype]
+    raise ValueError(f"kv_cache_dtype must be 'auto', {', '.join(map(repr, KV_CACHE_FP8_DTYPES))}, "
+                     f"got {kv_cache_dtype!r}")
+
+
 class PagedKVCache(KVCache):
     """Per layer, a pool of blocks `[num_blocks, block_size, num_kv_heads, head_dim]` for K and V.
 
@@ -159,18 +184,61 @@ class PagedKVCache(KVCache):
     `slot_mapping`), then attends every query over its sequence's blocks, found through
     the block table. On CUDA the Triton kernels in `llmopt.kernels.paged_attention` do
     this; on CPU a torch path does (one batched call for decodes, one call per prefill).
+    With an FP8 pool both read fp8 * scale; attention itself runs in the model's dtype.
     """
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype = torch.float32, device="cpu"):
+                 head_dim: int, dtype: torch.dtype = torch.float32, device="cpu",
+                 kv_cache_dtype: str | torch.dtype = "auto"):
+        self.dtype = dtype                                              # attention's dtype
+        self.cache_dtype = kv_cache_torch_dtype(kv_cache_dtype, dtype)  # the pool's dtype
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         # Zeros, not empty: the torch path multiplies masked-out (padding) slots by a zero
         # attention weight, and 0 x NaN from uninitialized memory would still be NaN.
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.k = [torch.zeros(shape, dtype=self.cache_dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=self.cache_dtype, device=device) for _ in range(num_layers)]
         self.num_blocks, self.block_size = num_blocks, block_size
+        # Per layer, one scale for all keys and one for all values (1.0: stored as is).
+        self.k_scale = [1.0] * num_layers
+        self.v_scale = [1.0] * num_layers
+        self.scale_source = "unit"  # or "checkpoint", "calibrated", "set"
         # the Triton kernels cover the head sizes real models use; anything else stays on torch
         self.use_triton = torch.device(device).type == "cuda" and head_dim in (16, 32, 64, 128)
+
+    @property
+    def is_fp8(self) -> bool:
+        return is_fp8(self.cache_dtype)
+
+    # -- FP8 scales ----------------------------------------------------------------------------
+    def set_scales(self, k_scale: list[float], v_scale: list[float], source: str = "set") -> None:
+        """Per-layer scales for an FP8 pool (set them before anything is cached: blocks
+        already written were divided by the old ones)."""
+        if not self.is_fp8:
+            raise ValueError(f"k/v scales apply to an FP8 KV cache; this one stores {self.cache_dtype} "
+                             "(create the LLM with kv_cache_dtype='fp8')")
+        n = len(self.k)
+        for name, scales in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if len(scales) != n:
+                raise ValueError(f"{name}: expected {n} scales (one per layer), got {len(scales)}")
+            bad = [s for s in map(float, scales) if not (0 < s < float("inf"))]
+            if bad:
+                raise ValueError(f"{name} must be positive finite numbers, got {bad[:3]}")
+        self.k_scale, self.v_scale = [float(s) for s in k_scale], [float(s) for s in v_scale]
+        self.scale_source = source
+
+    def calibrate(self, model, token_ids: list[list[int]]) -> None:
+        """Scales from amax: run calibration sequences through the model (no cache), keep
+        each layer's largest |key| and |value|, map them onto the format's largest value."""
+        k_amax, v_amax = observe_kv_amax(model, token_ids, len(self.k))
+        self.set_scales([scale_from_amax(a, self.cache_dtype).item() for a in k_amax],
+                        [scale_from_amax(a, self.cache_dtype).item() for a in v_amax], "calibrated")
+
+    def load_scales(self, folder: str | Path) -> bool:
+        """The checkpoint's k/v scales, if it has them (True when found)."""
+        scales = read_kv_scales(folder, len(self.k))
+        if scales is not None:
+            self.set_scales(*scales, source="checkpoint")
+        return scales is not None
 
     @staticmethod
     def bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype) -> int:
@@ -213,27 +281,123 @@ class PagedKVCache(KVCache):
 
     def attend(self, layer, q, k, v, scale, window=None):
         K, V, b = self.k[layer], self.v[layer], self.batch
-        write_kv(k, v, K, V, b.slot_mapping)
+        ks, vs = self.k_scale[layer], self.v_scale[layer]
+        write_kv(k, v, K, V, b.slot_mapping, ks, vs)
         if self.use_triton:
             return paged_attention(q, K, V, b.block_table_tensor, b.query_start_loc, b.seq_lens_tensor,
-                                   scale, window, max_query_len=max(b.query_lens))
-        return self._attend_torch(q, k, v, K, V, scale, window)
+                                   scale, window, max_query_len=max(b.query_lens), k_scale=ks, v_scale=vs)
+        return self._attend_torch(q, k, v, K, V, ks, vs, scale, window)
 
-    def _attend_torch(self, q, k, v, K, V, scale, window):
+    def _read(self, pool: torch.Tensor, index: torch.Tensor, scale: float) -> torch.Tensor:
+        """pool[index] along dim 0, in the model's dtype: as stored, or fp8 * scale."""
+        if not self.is_fp8:
+            return pool.index_select(0, index)
+        # gather the bytes (every device gathers uint8; not every one gathers float8), then widen
+        raw = pool.view(torch.uint8).index_select(0, index).view(pool.dtype)
+        return (raw.float() * scale).to(self.dtype)
+
+    def _attend_torch(self, q, k, v, K, V, k_scale, v_scale, scale, window):
         out = torch.empty_like(q)
         for tokens, lens, tables in self._decode_groups:
             # gather each group's blocks into a padded [B, Hkv, L, D] batch; index_select on the
             # flattened table is the fastest gather torch has on CPU
             B, nb = tables.shape
             flat = tables.flatten()
-            kg = K.index_select(0, flat).view(B, nb * self.block_size, *K.shape[2:]).transpose(1, 2)
-            vg = V.index_select(0, flat).view(B, nb * self.block_size, *V.shape[2:]).transpose(1, 2)
+            kg = self._read(K, flat, k_scale).view(B, nb * self.block_size, *K.shape[2:]).transpose(1, 2)
+            vg = self._read(V, flat, v_scale).view(B, nb * self.block_size, *V.shape[2:]).transpose(1, 2)
             out[tokens] = batched_decode_attention(q[tokens], kg, vg, lens, scale, window)
         for s, e, ctx, blocks in self._prefills:
-            if blocks is None:  # a whole prompt: its keys are exactly this step's keys
+            if blocks is None and not self.is_fp8:  # a whole prompt: its keys are this step's keys
                 keys, values = k[s:e], v[s:e]
-            else:               # a chunk after cached context: read the context from the blocks
-                keys = K[blocks].flatten(0, 1)[:ctx + e - s]
-                values = V[blocks].flatten(0, 1)[:ctx + e - s]
+            elif blocks is None:  # ... as the FP8 pool holds them, so chunked == unchunked
+                slots = self.batch.slot_mapping[s:e].long()
+                keys = self._read(K.view(-1, *K.shape[2:]), slots, k_scale)
+                values = self._read(V.view(-1, *V.shape[2:]), slots, v_scale)
+            else:                 # a chunk after cached context: read the context from the blocks
+                keys = self._read(K, blocks, k_scale).flatten(0, 1)[:ctx + e - s]
+                values = self._read(V, blocks, v_scale).flatten(0, 1)[:ctx + e - s]
             out[s:e] = sequence_attention(q[s:e], keys, values, scale, window)
         return out
+
+
+# -- where FP8 scales come from ------------------------------------------------------------------
+
+class KVAmaxObserver(NoKVCache):
+    """Attends like `NoKVCache` and records, per layer, the largest |key| and |value| it saw
+    (keys after RoPE: what the cache stores). The statistic FP8 KV scales are made from."""
+
+    def __init__(self, num_layers: int):
+        self.k_amax = [0.0] * num_layers
+        self.v_amax = [0.0] * num_layers
+
+    def attend(self, layer, q, k, v, scale, window=None):
+        self.k_amax[layer] = max(self.k_amax[layer], k.abs().max().item())
+        self.v_amax[layer] = max(self.v_amax[layer], v.abs().max().item())
+        return super().attend(layer, q, k, v, scale, window)
+
+
+@torch.inference_mode()
+def observe_kv_amax(model, token_ids: list[list[int]], num_layers: int) -> tuple[list[float], list[float]]:
+    """Run sequences (one flat batch) through `model` and return per-layer (k_amax, v_amax)."""
+    if not token_ids or not all(token_ids):
+        raise ValueError("calibration needs at least one non-empty sequence of token ids")
+    device = next(model.parameters()).device
+    observer = KVAmaxObserver(num_layers)
+    observer.begin_step([len(t) for t in token_ids])
+    ids = torch.tensor([t for seq in token_ids for t in seq], device=device)
+    positions = torch.cat([torch.arange(len(t), device=device) for t in token_ids])
+    model(ids, positions, observer)
+    return observer.k_amax, observer.v_amax
+
+
+def calibration_token_ids(tokenizer, num_tokens: int = 4096, seq_len: int = 512) -> list[list[int]]:
+    """`num_tokens` tokens of the bundled held-out text's calibration part (never the part
+    that evaluation scores), cut into sequences of `seq_len`."""
+    from llmopt.eval import heldout_text
+
+    ids = tokenizer(heldout_text("calibration"), add_special_tokens=False,
+                    verbose=False)["input_ids"][:num_tokens]
+    return [ids[i:i + seq_len] for i in range(0, len(ids), seq_len)]
+
+
+# Checkpoint names for per-layer KV scales, as vLLM reads them: llm-compressor's
+# `self_attn.k_scale` (older: `k_proj.output_scale`), ModelOpt's `k_proj.k_scale`, and the
+# deprecated single `kv_scale` (used for both).
+_KV_SCALE_NAME = re.compile(
+    r"layers\.(\d+)\.self_attn\.(?:attn\.)?(?:(k|v)_scale|(k|v)_proj\.(?:output_scale|(?:k|v)_scale)|(kv)_scale)$")
+
+
+def read_kv_scales(folder: str | Path, num_layers: int) -> tuple[list[float], list[float]] | None:
+    """Per-layer (k_scales, v_scales) from a checkpoint's safetensors, or None if it has none.
+
+    ValueError if only some layers have them, or a scale is not a positive finite number.
+    """
+    from safetensors import safe_open
+
+    from llmopt.model.loader import safetensors_files
+
+    found: dict[str, dict[int, float]] = {"k": {}, "v": {}}
+    for f in safetensors_files(Path(folder)):
+        with safe_open(str(f), framework="pt") as handle:
+            for name in handle.keys():
+                m = _KV_SCALE_NAME.search(name)
+                if m is None:
+                    continue
+                layer, which = int(m.group(1)), m.group(2) or m.group(3) or m.group(4)
+                t = handle.get_tensor(name).float()
+                if t.numel() != 1:
+                    raise ValueError(f"{f}: {name} has shape {tuple(t.shape)}; a per-tensor KV scale "
+                                     "has one element")
+                value = t.item()
+                if not (0 < value < float("inf")):
+                    raise ValueError(f"{f}: {name} = {value}; a KV scale must be a positive finite number")
+                for kv in ("k", "v") if which == "kv" else (which,):
+                    found[kv].setdefault(layer, value)
+    if not found["k"] and not found["v"]:
+        return None
+    for kv in ("k", "v"):
+        missing = sorted(set(range(num_layers)) - set(found[kv]))
+        if missing:
+            raise ValueError(f"{folder}: the checkpoint has KV scales, but no {kv}_scale for layers "
+                             f"{missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    return [found["k"][i] for i in range(num_layers)], [found["v"][i] for i in range(num_layers)]

@@ -22,7 +22,7 @@ import torch
 
 from llmopt.config import EngineConfig
 from llmopt.engine.block_manager import BlockManager
-from llmopt.engine.kv_cache import PagedKVCache
+from llmopt.engine.kv_cache import PagedKVCache, calibration_token_ids, kv_cache_torch_dtype
 from llmopt.engine.model_runner import ModelRunner
 from llmopt.engine.scheduler import Scheduler
 from llmopt.engine.sequence import Sequence, SequenceStatus
@@ -56,12 +56,22 @@ class LLMEngine:
 
         cfg = self.model_config
         self.block_size = config.block_size
+        # the pool's dtype: the model's, or FP8 (1 byte a number: more blocks in the same budget)
+        self.kv_cache_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, self.dtype)
         self.bytes_per_block = PagedKVCache.bytes_per_block(
-            cfg.num_hidden_layers, self.block_size, cfg.num_key_value_heads, cfg.head_dim, self.dtype)
+            cfg.num_hidden_layers, self.block_size, cfg.num_key_value_heads, cfg.head_dim,
+            self.kv_cache_dtype)
         self.num_blocks = config.num_kv_blocks or self._blocks_from_memory_budget()
         self.block_manager = BlockManager(self.num_blocks, self.block_size, config.enable_prefix_caching)
         self.kv_cache = PagedKVCache(cfg.num_hidden_layers, self.num_blocks, self.block_size,
-                                     cfg.num_key_value_heads, cfg.head_dim, self.dtype, self.device)
+                                     cfg.num_key_value_heads, cfg.head_dim, self.dtype, self.device,
+                                     self.kv_cache_dtype)
+        if self.kv_cache.is_fp8:  # per-layer K/V scales: calibrated, else the checkpoint's, else 1.0
+            if config.calculate_kv_scales:
+                self.kv_cache.calibrate(self.model, calibration_token_ids(
+                    self.tokenizer, seq_len=min(512, self.max_model_len)))
+            else:
+                self.kv_cache.load_scales(self.model_path)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens, config.enable_chunked_prefill,
                                    config.scheduling_policy)
