@@ -12,8 +12,9 @@ came. From those times, as vLLM's `bench serve` computes them:
 
 While the load runs, the server's /metrics is read a few times a second (KV cache usage,
 running and waiting requests). A server keeps up with a rate while it finishes requests
-as fast as they come; past its capacity a queue builds, TTFT climbs, and the achieved
-request rate stops following the offered one: the saturation rate.
+as fast as they come. Past its capacity (the most requests per second it can finish) a
+queue builds for as long as the load lasts, latency climbs and throughput stays flat: that
+capacity is the rate at which the server saturates.
 
 Works against `llmopt serve` and against vLLM's server alike (same API, and `ignore_eos`
 is one of vLLM's extras too).
@@ -230,19 +231,15 @@ class LoadTest:
 
 # -- numbers ----------------------------------------------------------------------------------------
 def summarize(run: LoadTest) -> dict:
-    """Percentiles of TTFT / TPOT / ITL / e2e (ms), throughput, and how well the server kept up.
+    """Percentiles of TTFT / TPOT / ITL / e2e (ms), throughput, and the request rates.
 
-    The offered rate is the one the arrivals actually had, (n - 1) / (last send - first send);
-    the achieved rate is the same count over the finishes, (n - 1) / (last finish - first
-    finish). A server that keeps up finishes requests as far apart as they came; one past
-    its capacity finishes them at its own pace, whatever the offered rate.
+    `offered_rate` is the rate the arrivals actually had, (n - 1) / (last send - first send);
+    `request_throughput` the rate the server served them, n / (last finish - first send).
     """
     ok = [r for r in run.results if r.ok]
-    sends, ends = sorted(r.send_time for r in ok), sorted(r.chunk_times[-1] for r in ok)
-    span = ends[-1] - sends[0] if ok else float("nan")
+    span = max(r.chunk_times[-1] for r in ok) - min(r.send_time for r in ok) if ok else float("nan")
     offered = (len(run.arrivals) - 1) / run.arrivals[-1] if run.arrivals[-1] > 0 else float("inf")
-    achieved = (len(ends) - 1) / (ends[-1] - ends[0]) if len(ends) > 1 and ends[-1] > ends[0] else float("nan")
-    out = {"label": run.label, "rate": run.rate, "offered_rate": offered, "achieved_rate": achieved,
+    out = {"label": run.label, "rate": run.rate, "offered_rate": offered,
            "num_requests": len(run.requests), "completed": len(ok), "failed": len(run.results) - len(ok),
            "errors": sorted({r.error for r in run.results if not r.ok})[:3], "duration_s": run.duration,
            "request_throughput": len(ok) / span if ok else 0.0,
@@ -260,13 +257,13 @@ def summarize(run: LoadTest) -> dict:
     return out
 
 
-def saturation_rate(summaries: list[dict], keep_up: float = 0.9) -> float | None:
-    """The lowest rate tried whose achieved rate fell below `keep_up` of the offered one (the
-    server could not keep pace: a queue grew); None if it kept up at every rate tried."""
-    for s in sorted(summaries, key=lambda s: s["offered_rate"]):
-        if not s["achieved_rate"] >= keep_up * s["offered_rate"]:
-            return s["rate"]
-    return None
+def saturation_rate(summaries: list[dict]) -> float:
+    """Where the server saturates: its capacity, the most requests per second it served at any
+    of the rates tried. Offered more than that, it cannot keep pace, and a queue grows (of
+    waiting requests, or on a CPU of running ones that all slow down) for as long as the
+    load lasts: latency climbs and throughput stays flat. Measure it with a top rate well
+    above what the server can do (or inf), so that one run is surely saturated."""
+    return max(s["request_throughput"] for s in summaries)
 
 
 def run_sweep(url: str, requests: list[LoadRequest], rates: list[float], model: str | None = None,
@@ -279,12 +276,12 @@ def run_sweep(url: str, requests: list[LoadRequest], rates: list[float], model: 
 # -- tables and `llmopt bench --url` -------------------------------------------------------------
 def load_table(summaries: list[dict]) -> str:
     """One markdown row per rate."""
-    head = ["rate (req/s)", "offered", "achieved", "output tok/s", "TTFT p50 ms", "TTFT p90 ms", "TTFT p99 ms",
+    head = ["rate (req/s)", "offered", "served req/s", "saturated", "output tok/s", "TTFT p50 ms", "TTFT p90 ms", "TTFT p99 ms",
             "TPOT p50 ms", "TPOT p90 ms", "TPOT p99 ms", "peak KV usage", "peak running / waiting", "failed"]
-    rows = []
+    rows, capacity = [], saturation_rate(summaries)
     for s in summaries:
-        rows.append([f"{s['rate']:g}", f"{s['offered_rate']:.2f}", f"{s['achieved_rate']:.2f}",
-                     f"{s['output_throughput']:,.0f}",
+        rows.append([f"{s['rate']:g}", f"{s['offered_rate']:.2f}", f"{s['request_throughput']:.2f}",
+                     "yes" if s["offered_rate"] > capacity else "no", f"{s['output_throughput']:,.0f}",
                      *(f"{s[f'{m}_p{q}_ms']:,.1f}" for m in ("ttft", "tpot") for q in (50, 90, 99)),
                      f"{s.get('peak_kv_cache_usage', float('nan')):.1%}",
                      f"{s.get('peak_running', 0):.0f} / {s.get('peak_waiting', 0):.0f}",
@@ -294,12 +291,10 @@ def load_table(summaries: list[dict]) -> str:
 
 
 def saturation_line(summaries: list[dict]) -> str:
-    sat = saturation_rate(summaries)
+    capacity = saturation_rate(summaries)
     best = max(summaries, key=lambda s: s["output_throughput"])
-    kept = [s["rate"] for s in summaries if sat is None or s["rate"] < sat]
-    return (f"saturation: {'none up to ' + format(max(s['rate'] for s in summaries), 'g') + ' req/s' if sat is None else f'at {sat:g} req/s'}"
-            f" (achieved rate < 90% of offered); kept up at {', '.join(f'{r:g}' for r in kept) or 'no rate tried'}"
-            f" req/s; peak output throughput {best['output_throughput']:,.0f} tokens/s at {best['rate']:g} req/s")
+    return (f"saturation: at about {capacity:.2f} req/s (the most the server served at any rate; offered more, a "
+            f"queue grows); peak output throughput {best['output_throughput']:,.0f} tokens/s at {best['rate']:g} req/s")
 
 
 def bench_requests(model: str, num_requests: int, prefix_len: int, suffix_len: tuple[int, int],
