@@ -18,3 +18,7 @@ def triton_usable(device) -> bool:
     if not HAS_TRITON:
         return False
     return str(device).startswith("cuda") or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+# W4A16 dequant-matmul for the GPTQ and AWQ int4 layouts (quant_matmul.py)
+from llmopt.kernels.quant_matmul import w4a16_matmul, w4a16_matmul_ref  # noqa: E402

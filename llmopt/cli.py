@@ -114,6 +114,26 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="seconds running requests get to finish after SIGINT/SIGTERM, then aborted")
     add_engine_flags(serve)
+
+    quant = sub.add_parser("quantize", help="quantize a model's weights (RTN, GPTQ, AWQ, FP8) into a checkpoint")
+    quant.add_argument("--model", default="tiny", help="bundled name or HF folder (full precision)")
+    quant.add_argument("--out", required=True, help="folder to write the quantized checkpoint to")
+    quant.add_argument("--method", default="gptq", choices=["rtn", "gptq", "awq", "fp8"])
+    quant.add_argument("--bits", type=int, default=None, help="default 4 (8 for fp8)")
+    quant.add_argument("--group-size", type=int, default=None, help="default 128; -1: per output channel")
+    quant.add_argument("--format", default=None, choices=["gptq", "awq"],
+                       help="checkpoint layout (default: awq for awq, gptq otherwise)")
+    quant.add_argument("--calibration-file", default=None, help="calibration text (default: bundled held-out)")
+    quant.add_argument("--num-samples", type=int, default=32, help="calibration windows")
+    quant.add_argument("--seq-len", type=int, default=512, help="tokens per calibration window")
+    quant.add_argument("--sym", action=argparse.BooleanOptionalAction, default=None, help="rtn, gptq")
+    quant.add_argument("--desc-act", action=argparse.BooleanOptionalAction, default=None, help="gptq act-order")
+    quant.add_argument("--damp-percent", type=float, default=None, help="gptq (default 0.01)")
+    quant.add_argument("--static-groups", action=argparse.BooleanOptionalAction, default=None, help="gptq")
+    quant.add_argument("--true-sequential", action=argparse.BooleanOptionalAction, default=None, help="gptq")
+    quant.add_argument("--zero-point", action=argparse.BooleanOptionalAction, default=None, help="awq")
+    quant.add_argument("--version", default=None, help="awq: GEMM")
+    quant.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True)
     return parser
 
 
@@ -137,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
 
             return serve(engine_kwargs(args), args.host, args.port, args.served_model_name, args.threads,
                          args.shutdown_timeout)
+        if args.command == "quantize":
+            return _quantize(args)
     except (ValueError, TypeError) as e:
         print(f"llmopt {args.command}: error: {e}", file=sys.stderr)
         return 2
@@ -160,6 +182,28 @@ def _generate(args) -> int:
         else:
             print(o.prompt + c.text)
             print(f"[{len(c.token_ids)} tokens, finish_reason={c.finish_reason}]", file=sys.stderr)
+    return 0
+
+
+def _quantize(args) -> int:
+    from pathlib import Path
+
+    from llmopt.quant import quantize
+
+    calibration = None
+    if args.calibration_file is not None:
+        path = Path(args.calibration_file)
+        if not path.is_file():
+            raise ValueError(f"--calibration-file {path} does not exist")
+        calibration = path.read_text(encoding="utf-8")
+    knobs = {k: getattr(args, k) for k in ("sym", "desc_act", "damp_percent", "static_groups",
+                                          "true_sequential", "zero_point", "version") if getattr(args, k) is not None}
+    r = quantize(args.model, args.method, args.bits, args.group_size, args.out, calibration=calibration,
+                 num_samples=args.num_samples, seq_len=args.seq_len, format=args.format,
+                 progress=args.progress, **knobs)
+    group = "per channel" if r.group_size == -1 else f"group {r.group_size}"
+    print(f"{r.path}: {r.method} {r.bits}-bit, {group}, {r.format} layout; linear weights "
+          f"{r.linear_bytes / 2**20:.2f} MiB = {r.linear_bytes_ratio:.1%} of fp16; quantized in {r.seconds:.1f} s")
     return 0
 
 

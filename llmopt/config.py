@@ -85,9 +85,6 @@ class EngineConfig:
                              "set kv_cache_dtype='fp8' (or 'fp8_e5m2') too")
         if self.quantization not in QUANTIZATION:
             raise ValueError(f"quantization must be None, 'fp8' or 'int8', got {self.quantization!r}")
-        if self.quantization is not None:
-            raise ValueError(f"quantization={self.quantization!r}: quantize-on-load is not implemented "
-                             "in this version; allowed now: None")
         if self.speculative_config is not None:
             sc = self.speculative_config
             if not isinstance(sc, dict):

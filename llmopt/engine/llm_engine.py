@@ -51,7 +51,7 @@ class LLMEngine:
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         torch.manual_seed(config.seed)
-        self.model = load_model(self.model_path, self.dtype, self.device)
+        self.model = load_model(self.model_path, self.dtype, self.device, config.quantization)
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
 
         cfg = self.model_config

@@ -106,6 +106,18 @@ class LlamaForCausalLM(nn.Module):
     stacked_params = [("qkv_proj", "q_proj", 0), ("qkv_proj", "k_proj", 1), ("qkv_proj", "v_proj", 2),
                       ("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1)]
 
+    def quantizable_linears(self) -> dict[str, list[str]]:
+        """The decoder's linear layers (the ones quantization replaces; the embedding and
+        lm_head stay dense, as AutoGPTQ, AutoAWQ and vLLM keep them), each with the
+        checkpoint module names it is stored under."""
+        out = {}
+        for name, _ in self.named_modules():
+            leaf = name.rsplit(".", 1)[-1]
+            if leaf in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+                parts = [name[:-len(leaf)] + part for fused, part, _ in self.stacked_params if fused == leaf]
+                out[name] = parts or [name]
+        return out
+
     def shard_rows(self, fused: str, shard: int) -> tuple[int, int]:
         """Row range of a checkpoint shard inside our fused weight."""
         c = self.config

@@ -3,6 +3,11 @@
 Every failure is a `ValueError` that names the file or tensor at fault, raised before
 any weights are used: a missing config.json or weights file, a corrupt safetensors
 header, an architecture we do not implement, a missing or misshapen tensor.
+
+Quantized checkpoints (config.json's `quantization_config`: GPTQ, AWQ, FP8) get the
+matching modules of `llmopt.layers.linear` in place of the decoder's `nn.Linear` layers
+before any memory is allocated; `quantization="int8" | "fp8"` quantizes a full-precision
+checkpoint's linear layers right after loading it.
 """
 
 from __future__ import annotations
@@ -53,24 +58,69 @@ def iter_checkpoint(files: list[Path]):
 
 
 def load_model(folder: str | Path, dtype: torch.dtype = torch.float32,
-               device: str | torch.device = "cpu") -> LlamaForCausalLM:
+               device: str | torch.device = "cpu", quantization: str | None = None) -> LlamaForCausalLM:
     folder = Path(folder)
     cfg = ModelConfig.from_pretrained(folder)
-    if cfg.quantization_config:
-        method = cfg.quantization_config.get("quant_method", "?")
-        raise ValueError(f"{folder}/config.json asks for {method!r} quantization, which this "
-                         "version of llmopt does not load yet; use an unquantized checkpoint")
+    scheme = None
+    if cfg.quantization_config is not None or quantization is not None:
+        scheme = quant_scheme(cfg, quantization, folder)
     files = safetensors_files(folder)
     # Build on the meta device (no memory, no random init), then allocate for real.
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
-    model = model.to_empty(device=device).to(dtype)
+    if scheme is not None and scheme.serialized:
+        # swap the quantized modules in while still on meta, after the dtype cast, so their
+        # int32 / fp16 / fp8 tensors keep the dtypes the checkpoint stores
+        model = model.to(dtype)
+        use_quantized_linears(model, scheme, dtype)
+        model = model.to_empty(device=device)
+    else:
+        model = model.to_empty(device=device).to(dtype)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.model.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings,
                                              cfg.rope_theta, cfg.rope_scaling).to(device)
     load_weights(model, iter_checkpoint(files), source=str(folder))
+    if scheme is not None and not scheme.serialized:
+        quantize_linears(model, scheme.method)
     return model.eval()
+
+
+# -- quantized checkpoints -----------------------------------------------------------------------------
+def quant_scheme(cfg: ModelConfig, quantization: str | None, folder: Path):
+    """What config.json's quantization_config (or the `quantization` argument) asks for."""
+    from llmopt.quant.formats import QuantScheme  # the plain path imports no quantization code
+
+    if cfg.quantization_config is None:
+        return QuantScheme.on_load(quantization)
+    scheme = QuantScheme.from_config(cfg.quantization_config, f"{folder}/config.json")
+    if quantization is not None and quantization != scheme.method:
+        raise ValueError(f"quantization={quantization!r}, but {folder} is a {scheme.method!r} checkpoint; "
+                         f"pass quantization=None (or {scheme.method!r}) to load it as it is")
+    return scheme
+
+
+def use_quantized_linears(model: LlamaForCausalLM, scheme, dtype: torch.dtype) -> None:
+    """Replace (on meta) each linear layer the scheme converts by an empty quantized one."""
+    from llmopt.layers.linear import make_quant_linear
+
+    for name, parts in model.quantizable_linears().items():
+        if scheme.converts(parts):
+            dense = model.get_submodule(name)
+            with torch.device("meta"):
+                q = make_quant_linear(scheme, dense.in_features, dense.out_features,
+                                      dense.bias is not None, dtype)
+            model.set_submodule(name, q)
+
+
+@torch.no_grad()
+def quantize_linears(model: LlamaForCausalLM, method: str) -> None:
+    """Quantize-on-load: "int8" (RTN, per output channel) or "fp8" (e4m3, per output channel)."""
+    from llmopt.layers.linear import Fp8Linear, Int8Linear
+
+    make = {"int8": Int8Linear, "fp8": Fp8Linear}[method].from_linear
+    for name in model.quantizable_linears():
+        model.set_submodule(name, make(model.get_submodule(name)))
 
 
 def load_weights(model: LlamaForCausalLM, weights, source: str = "checkpoint") -> None:
@@ -89,6 +139,12 @@ def load_weights(model: LlamaForCausalLM, weights, source: str = "checkpoint") -
                 break
         if target not in params:
             continue  # tensors of heads we do not run (e.g. a value head) are ignored
+        module_name, _, leaf = target.rpartition(".")
+        module = model.get_submodule(module_name)
+        if hasattr(module, "load_checkpoint_tensor"):  # a quantized linear places its packed shards
+            module.load_checkpoint_tensor(leaf, tensor, rows, f"{source}: tensor {name!r}")
+            loaded.add(name)
+            continue
         param = params[target]
         dest = param.data if rows is None else param.data[rows[0]:rows[1]]
         if dest.shape != tensor.shape:
@@ -100,6 +156,9 @@ def load_weights(model: LlamaForCausalLM, weights, source: str = "checkpoint") -
     for pname in params:
         if pname == "lm_head.weight" and model.config.tie_word_embeddings:
             continue
+        module_name, _, leaf = pname.rpartition(".")
+        if leaf in getattr(model.get_submodule(module_name), "OPTIONAL", ()):
+            continue
         parts = [pname.replace(fused, part) for fused, part, _ in model.stacked_params
                  if f".{fused}." in pname]
         expected.update(parts or [pname])
@@ -107,3 +166,6 @@ def load_weights(model: LlamaForCausalLM, weights, source: str = "checkpoint") -
     if missing:
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
         raise ValueError(f"{source}: checkpoint lacks {', '.join(missing[:5])}{more}")
+    for module in model.modules():
+        if hasattr(module, "after_loading"):
+            module.after_loading(source)

@@ -1,0 +1,306 @@
+"""Linear layers for quantized weights, each a drop-in for `nn.Linear` in the decoder.
+
+The model calls `self.qkv_proj(x)` whatever module sits there; the loader puts these in
+when a checkpoint's quantization_config (or `LLM(quantization=...)`) asks for them, and
+leaves plain `nn.Linear` everywhere else.
+
+- `GPTQLinear` / `AWQLinear`: group-wise integer weights in the hub's packed layouts
+  (`llmopt.kernels.quant_matmul`). On CUDA, 4-bit weights go through the Triton W4A16
+  kernel, which reads the packed words directly. Elsewhere the packed weight is unpacked
+  once into a dense weight of the activations' dtype and run by `F.linear`: CPU torch has
+  no int4 matmul for fp32 inputs that beats that, so on a CPU the packed form is what is
+  stored and loaded, and the dense copy is what runs.
+- `Int8Linear`: int8 weights, one symmetric scale per output channel (RTN), weight-only.
+- `Fp8Linear`: float8 e4m3 weights with one fp32 scale per output channel; activations are
+  quantized to fp8 per token on the fly (or with a static `input_scale` from the
+  checkpoint). CUDA GPUs with FP8 tensor cores (compute capability >= 8.9) multiply in
+  fp8 (`torch._scaled_mm`); elsewhere an emulation does the same math in fp32: the
+  products of fp8 values are exact there, accumulated in fp32, then scaled.
+
+A checkpoint may store one linear as several shards that llmopt fuses (q/k/v into
+qkv_proj, gate/up into gate_up_proj). Each module therefore says, per tensor, along which
+dimension its output channels run and how many stored elements one channel takes
+(`SHARDING`), so the loader can put a shard's packed tensor in the right place.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llmopt.fp8 import native_fp8_supported, per_channel_scale, per_token_scale, quantize_fp8
+from llmopt.kernels import HAS_TRITON
+from llmopt.kernels.quant_matmul import awq_dequantize, gptq_dequantize, w4a16_matmul
+
+
+def _param(shape, dtype) -> nn.Parameter:
+    return nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
+
+
+class QuantLinear(nn.Module):
+    """What every quantized linear shares: checkpoint loading by shard, byte counts, and the
+    dense copy the CPU path multiplies with."""
+
+    # tensor name -> (output dim, stored elements per output channel as num / den); None: shared
+    SHARDING: dict[str, tuple[int, int, int] | None] = {"bias": (0, 1, 1)}
+    OPTIONAL: tuple[str, ...] = ()  # tensors a checkpoint may leave out
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self._loaded: dict[str, list] = {}
+        self._dense: tuple[torch.dtype, torch.Tensor] | None = None
+
+    # -- loading ---------------------------------------------------------------------------------------
+    def load_checkpoint_tensor(self, name: str, tensor: torch.Tensor, rows: tuple[int, int] | None,
+                               what: str) -> None:
+        """Copy one checkpoint tensor (or one shard of a fused layer: output `rows`) into place."""
+        param = getattr(self, name)
+        layout = self.SHARDING[name]
+        if layout is None or rows is None:
+            dest = param.data
+        else:
+            dim, num, den = layout
+            a, b = rows
+            if (a * num) % den or (b * num) % den:
+                raise ValueError(f"{what}: output rows {a}..{b} do not fall on packed-word boundaries")
+            dest = param.data.narrow(dim, a * num // den, (b - a) * num // den)
+        if tuple(dest.shape) != tuple(tensor.shape):
+            raise ValueError(f"{what} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)} "
+                             f"for {self.extra_repr()}")
+        if not dest.dtype.is_floating_point and tensor.dtype != dest.dtype:
+            raise ValueError(f"{what} has dtype {tensor.dtype}, expected {dest.dtype}")
+        seen = self._loaded.setdefault(name, [])
+        if layout is None and seen and not torch.equal(dest, tensor.to(dest.dtype)):
+            raise ValueError(f"{what} differs from the other shards of this fused layer; llmopt runs "
+                             "them as one matmul and needs them to share it")
+        dest.copy_(tensor.to(dest.dtype))
+        seen.append(rows)
+        self._dense = None
+
+    def after_loading(self, source: str) -> None:
+        """Checks (and defaults) once every tensor is in."""
+
+    # -- running ---------------------------------------------------------------------------------------
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight [out, in] this layer multiplies by, in `dtype`."""
+        raise NotImplementedError
+
+    def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """Dequantized once and kept (the weights do not change after loading)."""
+        if self._dense is None or self._dense[0] != dtype:
+            self._dense = (dtype, self.dequantize(dtype))
+        return self._dense[1]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.dense_weight(x.dtype), self.bias)
+
+    def weight_bytes(self) -> int:
+        """Bytes of the stored (quantized) weight tensors, bias excluded."""
+        return sum(p.numel() * p.element_size() for n, p in self.named_parameters() if n != "bias")
+
+
+class _GroupQuantLinear(QuantLinear):
+    layout = "gptq"
+
+    def __init__(self, in_features, out_features, bits, group_size, bias, dtype):
+        super().__init__(in_features, out_features)
+        group = in_features if group_size == -1 else group_size
+        if group < 1 or in_features % group:
+            raise ValueError(f"group_size {group_size} must divide in_features ({in_features})")
+        self.bits, self.group_size, self.groups = bits, group, in_features // group
+        self.bias = _param((out_features,), dtype) if bias else None
+        self.act_order = False
+
+    def extra_repr(self) -> str:
+        return (f"{type(self).__name__}(in={self.in_features}, out={self.out_features}, "
+                f"bits={self.bits}, group_size={self.group_size})")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and HAS_TRITON and self.bits == 4:
+            g_idx = self.g_idx if self.layout == "gptq" and self.act_order else None
+            out = w4a16_matmul(x.reshape(-1, self.in_features), self.qweight, self.qzeros, self.scales,
+                               g_idx, self.group_size, self.layout, self.bias)
+            return out.view(*x.shape[:-1], self.out_features)
+        return super().forward(x)
+
+
+class GPTQLinear(_GroupQuantLinear):
+    """AutoGPTQ's v1 layout: qweight [K*bits/32, N], qzeros [K/G, N*bits/32] (zero - 1),
+    scales [K/G, N], g_idx [K]."""
+
+    OPTIONAL = ("g_idx",)  # older checkpoints without act-order leave it out: k // G
+
+    def __init__(self, in_features, out_features, bits=4, group_size=128, bias=False, dtype=torch.float32):
+        super().__init__(in_features, out_features, bits, group_size, bias, dtype)
+        for n, name in ((in_features, "in_features"), (out_features, "out_features")):
+            if (n * bits) % 32:
+                raise ValueError(f"{name} ({n}) x {bits} bits must fill whole int32 words")
+        K, N = in_features, out_features
+        self.qweight = _param((K * bits // 32, N), torch.int32)
+        self.qzeros = _param((self.groups, N * bits // 32), torch.int32)
+        self.scales = _param((self.groups, N), torch.float16)
+        self.g_idx = _param((K,), torch.int32)
+        self.SHARDING = {"qweight": (1, 1, 1), "qzeros": (1, bits, 32), "scales": (1, 1, 1),
+                         "g_idx": None, "bias": (0, 1, 1)}
+
+    def after_loading(self, source: str) -> None:
+        order = torch.arange(self.in_features, device=self.g_idx.device, dtype=torch.int32) // self.group_size
+        if "g_idx" not in self._loaded:
+            self.g_idx.data.copy_(order)
+        if self.g_idx.numel() and (self.g_idx.min() < 0 or self.g_idx.max() >= self.groups):
+            raise ValueError(f"{source}: g_idx names groups outside [0, {self.groups}) in {self.extra_repr()}")
+        self.act_order = not torch.equal(self.g_idx, order)
+
+    def dequantize(self, dtype=torch.float32):
+        return gptq_dequantize(self.qweight, self.qzeros, self.scales, self.g_idx, self.bits, dtype).t().contiguous()
+
+
+class AWQLinear(_GroupQuantLinear):
+    """AutoAWQ's GEMM layout: qweight [K, N/8] and qzeros [K/G, N/8] packed along the output
+    dimension in nibble order [0, 2, 4, 6, 1, 3, 5, 7], scales [K/G, N]."""
+
+    layout = "awq"
+    SHARDING = {"qweight": (1, 1, 8), "qzeros": (1, 1, 8), "scales": (1, 1, 1), "bias": (0, 1, 1)}
+
+    def __init__(self, in_features, out_features, bits=4, group_size=128, bias=False, dtype=torch.float32):
+        if bits != 4:
+            raise ValueError(f"the AWQ GEMM layout is 4-bit only, got bits={bits}")
+        super().__init__(in_features, out_features, bits, group_size, bias, dtype)
+        if out_features % 8:
+            raise ValueError(f"out_features ({out_features}) must be a multiple of 8 for the AWQ layout")
+        K, N = in_features, out_features
+        self.qweight = _param((K, N // 8), torch.int32)
+        self.qzeros = _param((self.groups, N // 8), torch.int32)
+        self.scales = _param((self.groups, N), torch.float16)
+
+    def dequantize(self, dtype=torch.float32):
+        return awq_dequantize(self.qweight, self.qzeros, self.scales, self.group_size, dtype).t().contiguous()
+
+
+class Int8Linear(QuantLinear):
+    """int8 weight [N, K] and one fp32 scale per output channel: W ~ weight * weight_scale."""
+
+    SHARDING = {"weight": (0, 1, 1), "weight_scale": (0, 1, 1), "bias": (0, 1, 1)}
+
+    def __init__(self, in_features, out_features, bias=False, dtype=torch.float32):
+        super().__init__(in_features, out_features)
+        self.weight = _param((out_features, in_features), torch.int8)
+        self.weight_scale = _param((out_features,), torch.float32)
+        self.bias = _param((out_features,), dtype) if bias else None
+
+    @classmethod
+    @torch.no_grad()
+    def from_linear(cls, linear: nn.Linear) -> "Int8Linear":
+        """Round to nearest, symmetric: scale = max |w| / 127 per row, q = round(w / scale)."""
+        w = linear.weight.float()
+        m = cls(w.shape[1], w.shape[0], linear.bias is not None, linear.weight.dtype).to(w.device)
+        scale = (w.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
+        m.weight.data.copy_(torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8))
+        m.weight_scale.data.copy_(scale)
+        if linear.bias is not None:
+            m.bias.data.copy_(linear.bias)
+        return m
+
+    def dequantize(self, dtype=torch.float32):
+        return (self.weight.float() * self.weight_scale[:, None]).to(dtype)
+
+    def forward(self, x):
+        if x.is_cuda:  # dequantize on the fly: a dense copy would undo the memory saving
+            return F.linear(x, self.dequantize(x.dtype), self.bias)
+        return super().forward(x)
+
+
+class Fp8Linear(QuantLinear):
+    """float8_e4m3fn weight [N, K], fp32 weight_scale [N, 1], optional static input_scale."""
+
+    SHARDING = {"weight": (0, 1, 1), "weight_scale": (0, 1, 1), "input_scale": None, "bias": (0, 1, 1)}
+
+    def __init__(self, in_features, out_features, bias=False, dtype=torch.float32, static_input_scale=False):
+        super().__init__(in_features, out_features)
+        self.weight = _param((out_features, in_features), torch.float8_e4m3fn)
+        self.weight_scale = _param((out_features, 1), torch.float32)
+        self.input_scale = _param((), torch.float32) if static_input_scale else None
+        self.bias = _param((out_features,), dtype) if bias else None
+        self._w32: torch.Tensor | None = None
+
+    def extra_repr(self) -> str:
+        return f"Fp8Linear(in={self.in_features}, out={self.out_features})"
+
+    @classmethod
+    @torch.no_grad()
+    def from_linear(cls, linear: nn.Linear) -> "Fp8Linear":
+        """Per-output-channel scales: scale = max |w| / 448 per row, weight = fp8(w / scale)."""
+        w = linear.weight.float()
+        m = cls(w.shape[1], w.shape[0], linear.bias is not None, linear.weight.dtype).to(w.device)
+        scale = per_channel_scale(w)
+        m.weight.data.copy_(quantize_fp8(w, scale))
+        m.weight_scale.data.copy_(scale)
+        if linear.bias is not None:
+            m.bias.data.copy_(linear.bias)
+        return m
+
+    def load_checkpoint_tensor(self, name, tensor, rows, what):
+        if name == "weight" and tensor.dtype != torch.float8_e4m3fn:
+            raise ValueError(f"{what} has dtype {tensor.dtype}; FP8 checkpoints store float8_e4m3fn weights")
+        if name == "weight_scale" and tensor.numel() == 1:
+            # a per-tensor scale: every row of this shard shares it
+            a, b = rows if rows is not None else (0, self.out_features)
+            tensor = tensor.float().reshape(1, 1).expand(b - a, 1)
+        elif name == "weight_scale":
+            tensor = tensor.reshape(-1, 1)
+        elif name == "input_scale":
+            if tensor.numel() != 1:
+                raise ValueError(f"{what}: a static input_scale is one number, got shape {tuple(tensor.shape)}")
+            # fused shards run on one input: the largest scale covers all of them (as vLLM does)
+            tensor = tensor.float().reshape(())
+            if self._loaded.get("input_scale"):
+                self.input_scale.data.copy_(torch.maximum(self.input_scale.data, tensor))
+                return
+        super().load_checkpoint_tensor(name, tensor, rows, what)
+        self._w32 = None
+
+    def dequantize(self, dtype=torch.float32):
+        return (self.weight.float() * self.weight_scale).to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features)
+        # activation scales: per token, computed now ("dynamic"), or one stored number ("static")
+        x_scale = per_token_scale(x2) if self.input_scale is None else self.input_scale.reshape(1, 1)
+        xq = quantize_fp8(x2, x_scale)
+        if native_fp8_supported(x.device) and self.in_features % 16 == 0 and self.out_features % 16 == 0:
+            out = self._native(xq, x_scale, x.dtype)
+        else:
+            out = self._emulated(xq, x_scale)
+        if self.bias is not None:
+            out = out + self.bias.float()
+        return out.to(x.dtype).view(*x.shape[:-1], self.out_features)
+
+    def _emulated(self, xq: torch.Tensor, x_scale: torch.Tensor) -> torch.Tensor:
+        """fp8 x fp8 products in fp32 (exact), summed in fp32, then both scales: what the
+        tensor cores compute."""
+        if self._w32 is None:
+            self._w32 = self.weight.float()
+        return (xq.float() @ self._w32.t()) * (x_scale * self.weight_scale.t())
+
+    def _native(self, xq: torch.Tensor, x_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        w = self.weight.t()  # [K, N] column-major, as _scaled_mm wants its second operand
+        if dtype == torch.bfloat16:  # row-wise scales applied in the matmul's epilogue
+            a = x_scale.expand(xq.shape[0], 1).contiguous()
+            return torch._scaled_mm(xq, w, scale_a=a, scale_b=self.weight_scale.t().contiguous(),
+                                    out_dtype=torch.bfloat16).float()
+        one = torch.ones((), device=xq.device)
+        acc = torch._scaled_mm(xq, w, scale_a=one, scale_b=one, out_dtype=torch.float32)
+        return acc * (x_scale * self.weight_scale.t())
+
+
+def make_quant_linear(scheme, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> QuantLinear:
+    """The module a `QuantScheme` (llmopt.quant.formats) asks for, empty, ready to load into."""
+    if scheme.method == "gptq":
+        return GPTQLinear(in_features, out_features, scheme.bits, scheme.group_size, bias, dtype)
+    if scheme.method == "awq":
+        return AWQLinear(in_features, out_features, scheme.bits, scheme.group_size, bias, dtype)
+    if scheme.method == "fp8":
+        return Fp8Linear(in_features, out_features, bias, dtype, scheme.activation_scheme == "static")
+    raise ValueError(f"no serialized quantized linear for method {scheme.method!r}")
