@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
                               tuple(ours.output_len), ours.workload_seed)
     warm = requests[:4]
 
-    t0, raw, sections = time.perf_counter(), {"command": command}, []
+    t0, raw, sections = time.perf_counter(), {"command": command, "loadavg_start": os.getloadavg()}, []
     for name, flags in CONFIGS.items():
         args = ["--model", "tiny", "--device", "cpu", *flags, *server_flags]
         with ServerProcess(args, threads=ours.threads) as server:
@@ -64,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         print("\n" + text, flush=True)
         sections.append(text)
     raw["total_seconds"] = time.perf_counter() - t0
+    raw["loadavg_end"] = os.getloadavg()
 
     on, off = raw["prefix caching on"]["runs"], raw["prefix caching off"]["runs"]
     rows = ["| rate (req/s) | TTFT p50 ms on / off | off / on | TTFT p90 ms on / off | TPOT p50 ms on / off "
@@ -76,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
                     f"{a['output_throughput'] / b['output_throughput']:.2f}x |")
     sat = {k: saturation_rate(raw[k]["runs"]) for k in CONFIGS}
     head = (f"model `tiny`, {torch.float32}, cpu, torch {torch.__version__}, server threads {ours.threads}, "
-            f"{cpu_name()} ({os.cpu_count()} cores, shared with the load generator), Python "
+            f"{cpu_name()} ({os.cpu_count()} cores, shared with the load generator and other work: load average "
+            f"{raw['loadavg_start'][0]:.1f} at the start, {raw['loadavg_end'][0]:.1f} at the end), Python "
             f"{platform.python_version()}; command: `{command}`")
     workload = (f"{ours.num_requests} requests per rate, Poisson arrivals (seed {ours.workload_seed}); each prompt "
                 f"is a shared {ours.prefix_len}-token system prompt + {ours.prompt_len[0]}-{ours.prompt_len[1]} "
