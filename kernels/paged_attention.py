@@ -52,7 +52,8 @@ def is_fp8_cache(cache: torch.Tensor) -> bool:
 
 def _to_cache_dtype(x: torch.Tensor, cache: torch.Tensor, scale: float) -> torch.Tensor:
     """What a value becomes in the cache: itself, or fp8(clamp(x / scale)) for an fp8 cache.
-    The clamp is needed: a cast past the largest finite value is NaN (e4m3) or inf (e5m2)."""
+    The clamp is needed: past the largest finite value a cast gives inf (e5m2) or, where the
+    conversion does not saturate, NaN (e4m3 has no inf)."""
     if not is_fp8_cache(cache):
         return x.to(cache.dtype)
     fmax = torch.finfo(cache.dtype).max

@@ -11,8 +11,10 @@ use (the OCP "FP8 formats for deep learning" spec, as NVIDIA Hopper/Ada implemen
 A tensor's values rarely sit in that range on their own, so FP8 always travels with a
 scale: store q = fp8(clamp(x / scale)), read back x ~ q * scale. The scale maps the
 tensor's largest magnitude (its amax) onto the format's largest value, so that the
-whole grid is used. The clamp is not optional: casting a value beyond the largest
-representable one gives NaN (e4m3fn has no infinity) or inf (e5m2) on the GPU.
+whole grid is used. The clamp is not optional: a cast past the largest finite value gives
+inf in e5m2, and NaN in e4m3fn (which has no infinity) wherever the conversion does not
+saturate; torch's own e4m3fn cast saturates, a hardware conversion without `.satfinite`
+does not. Clamping first makes every path store the same bytes.
 
 Scales can be per tensor (one number: KV cache, activations in static schemes), per
 output channel (one per weight row) or per token (one per activation row, computed on
@@ -157,7 +159,7 @@ def fp8_values(dtype: torch.dtype = torch.float8_e4m3fn) -> torch.Tensor:
     """Every finite value of the format, sorted, in fp32 (all 256 bit patterns, decoded)."""
     fmt = fp8_format(dtype)
     v = torch.arange(256, dtype=torch.uint8).view(fmt.dtype).float()
-    return torch.unique(v[torch.isfinite(v)])  # unique: +0 and -0 are one value
+    return torch.unique(v[torch.isfinite(v)]) + 0.0  # +0 and -0 are one value (+ 0.0: printed as 0)
 
 
 def fp8_neighbours(x: float, dtype: torch.dtype = torch.float8_e4m3fn) -> dict:

@@ -1,0 +1,210 @@
+"""What FP8 costs and what it buys, on the bundled target: perplexity, greedy agreement,
+KV capacity and weight bytes, for an FP8 KV cache (e4m3 with calibrated and with unit
+scales, e5m2), FP8 weights, and both together, against full precision, in one run.
+
+    python benchmarks/fp8_eval.py                          # the committed table
+    python benchmarks/fp8_eval.py --tokens 4096 --prompts 4 --out /tmp/fp8.md   # a quick one
+
+Perplexity runs through each engine's own model and paged KV cache
+(`llmopt.eval.perplexity`), in chunks, so later chunks attend to keys and values read
+back from the FP8 pool exactly as a long prompt does in serving. Greedy agreement
+compares each configuration's greedy continuations with full precision's, token by
+token. Rows that need something this install cannot do (FP8 weights without
+`quantization="fp8"`) are reported as not run, with the reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import math
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from llmopt import LLM, SamplingParams
+from llmopt.bench import header, table
+from llmopt.eval import heldout_text, perplexity
+
+CONFIGS = [  # (name, LLM keyword arguments)
+    ("full precision", {}),
+    ("KV fp8 e4m3, calibrated scales", dict(kv_cache_dtype="fp8", calculate_kv_scales=True)),
+    ("KV fp8 e4m3, unit scales", dict(kv_cache_dtype="fp8")),
+    ("KV fp8 e5m2, calibrated scales", dict(kv_cache_dtype="fp8_e5m2", calculate_kv_scales=True)),
+    ("KV fp8 e5m2, unit scales", dict(kv_cache_dtype="fp8_e5m2")),
+    ("weights fp8", dict(quantization="fp8")),
+    ("weights fp8 + KV fp8 e4m3 (calibrated)", dict(quantization="fp8", kv_cache_dtype="fp8",
+                                                     calculate_kv_scales=True)),
+    # what a GPU runs by default (bf16 weights and KV), and FP8 KV against that: the 2x
+    ("bf16 model and KV", dict(dtype="bfloat16")),
+    ("bf16 model + KV fp8 e4m3, calibrated", dict(dtype="bfloat16", kv_cache_dtype="fp8",
+                                                  calculate_kv_scales=True)),
+]
+BUDGET_GIB = 1.0  # the fixed KV budget the capacity column is counted in
+
+
+def weight_bytes(model) -> int:
+    """Bytes of every weight tensor (parameters and buffers: FP8 weights and their scales may
+    be buffers), each storage once (tied embeddings), without RoPE's cos/sin tables."""
+    seen, total = set(), 0
+    tensors = list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers())
+    for name, t in tensors:
+        if "rotary_emb" in name or t.data_ptr() in seen:
+            continue
+        seen.add(t.data_ptr())
+        total += t.numel() * t.element_size()
+    return total
+
+
+def greedy_prompts(llm, num_prompts: int, prompt_len: int) -> list[dict]:
+    """Prompts cut from the held-out evaluation text at evenly spaced offsets."""
+    ids = llm.tokenizer(heldout_text("eval"), add_special_tokens=False, verbose=False)["input_ids"]
+    step = (len(ids) - prompt_len) // num_prompts
+    return [{"prompt_token_ids": ids[i * step:i * step + prompt_len]} for i in range(num_prompts)]
+
+
+def agreement(reference: list[list[int]], tokens: list[list[int]]) -> dict:
+    """Share of positions with the same token, continuations identical end to end, and the
+    mean number of tokens before the first difference."""
+    same = sum(a == b for r, t in zip(reference, tokens) for a, b in zip(r, t))
+    total = sum(map(len, reference))
+    first = [next((i for i, (a, b) in enumerate(zip(r, t)) if a != b), len(r))
+             for r, t in zip(reference, tokens)]
+    return {"same_tokens": same / total, "identical": sum(r == t for r, t in zip(reference, tokens)),
+            "first_difference": sum(first) / len(first)}
+
+
+def evaluate(name: str, kwargs: dict, args, prompts) -> dict:
+    t0 = time.perf_counter()
+    try:
+        llm = LLM(model=args.model, **kwargs)
+    except (ValueError, NotImplementedError, TypeError) as e:
+        return {"name": name, "error": f"{type(e).__name__}: {e}"}
+    eng = llm.llm_engine
+    ppl = perplexity(llm, max_tokens=args.tokens, seq_len=args.seq_len, chunk_size=args.chunk_size)
+    params = SamplingParams(temperature=0.0, max_tokens=args.gen_len, ignore_eos=True)
+    tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    cache = eng.kv_cache
+    row = {
+        "name": name, "ppl": ppl, "tokens": tokens,
+        "kv_dtype": str(cache.cache_dtype).removeprefix("torch."),
+        "scales": cache.scale_source if cache.is_fp8 else "-",
+        "k_scale": (min(cache.k_scale), max(cache.k_scale)), "v_scale": (min(cache.v_scale), max(cache.v_scale)),
+        "kv_bytes_per_token": eng.bytes_per_block // eng.block_size,
+        "kv_tokens_in_budget": int(BUDGET_GIB * 2**30 // eng.bytes_per_block) * eng.block_size,
+        "engine_blocks": eng.num_blocks,
+        "weight_bytes": weight_bytes(llm.model), "weights": _weights_kind(llm),
+        "seconds": time.perf_counter() - t0, "header": header(llm, "")}
+    del llm, eng, cache
+    gc.collect()
+    return row
+
+
+def _weights_kind(llm) -> str:
+    dtypes = {p.dtype for p in list(llm.model.parameters()) + list(llm.model.buffers())
+              if p.dim() == 2}
+    return "/".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
+
+
+def render(rows: list[dict], args, command: str, seconds: float) -> str:
+    base = rows[0]
+    head = ["configuration", "KV cache", "KV scales (k; v, min-max over layers)", "weights", "perplexity",
+            "vs full precision", "greedy: same tokens", "greedy: identical / first difference",
+            "KV bytes/token", f"KV tokens in {BUDGET_GIB:g} GiB", "weight bytes"]
+    body, notes = [], []
+    for r in rows:
+        if "error" in r:
+            body.append([r["name"]] + ["not run"] * (len(head) - 1))
+            notes.append(f"- **{r['name']}** was not run: {r['error']}")
+            continue
+        a = agreement(base["tokens"], r["tokens"])
+        scales = "-" if r["scales"] == "-" else (
+            f"{r['scales']}: {r['k_scale'][0]:.3g}-{r['k_scale'][1]:.3g}; {r['v_scale'][0]:.3g}-{r['v_scale'][1]:.3g}")
+        body.append([
+            r["name"], r["kv_dtype"], scales, r["weights"], f"{r['ppl']:.4f}",
+            "baseline" if r is base else f"{100 * (r['ppl'] / base['ppl'] - 1):+.2f}%",
+            f"{100 * a['same_tokens']:.1f}%", f"{a['identical']}/{len(r['tokens'])} / {a['first_difference']:.1f}",
+            f"{r['kv_bytes_per_token']:,}", f"{r['kv_tokens_in_budget']:,} ({r['kv_tokens_in_budget'] / base['kv_tokens_in_budget']:.1f}x)",
+            f"{r['weight_bytes']:,} ({r['weight_bytes'] / base['weight_bytes']:.2f}x)"])
+    goal = [r for r in rows if r["name"] == "KV fp8 e4m3, calibrated scales" and "error" not in r]
+    verdicts = []
+    if goal:
+        d = 100 * (goal[0]["ppl"] / base["ppl"] - 1)
+        verdicts.append(f"- Goal, e4m3 KV with calibrated scales within 1% of full-precision perplexity: "
+                        f"{d:+.2f}%, {'met' if abs(d) <= 1 else 'NOT met'}.")
+    w = [r for r in rows if r["name"] == "weights fp8" and "error" not in r]
+    if w:
+        d = 100 * (w[0]["ppl"] / base["ppl"] - 1)
+        verdicts.append(f"- Goal, FP8 weights within 2% of full-precision perplexity: {d:+.2f}%, "
+                        f"{'met' if abs(d) <= 2 else 'NOT met'}.")
+    return "\n".join([
+        "# FP8: KV cache and weights on the bundled target",
+        "",
+        f"{base['header'].removesuffix('; command: ``')}; command: `{command}` ({seconds / 60:.1f} min).",
+        "",
+        f"Perplexity: {args.tokens:,} tokens of the held-out evaluation split (never the calibration part), "
+        f"windows of {args.seq_len} tokens fed in chunks of {args.chunk_size}, so later chunks read their "
+        f"context's keys and values back from the paged (FP8) cache. Greedy: {args.prompts} prompts of "
+        f"{args.prompt_len} held-out tokens, {args.gen_len} greedy tokens each, compared position by position "
+        f"with full precision. KV tokens in a fixed budget: what the engine's pool holds in {BUDGET_GIB:g} GiB "
+        "(its bytes per block, as it sizes the pool). Weight bytes: every weight tensor once.",
+        "",
+        table(head, body),
+        "",
+        *verdicts,
+        *notes,
+        "",
+        "GPU: " + (f"this run used {torch.cuda.get_device_name()}." if torch.cuda.is_available() else
+                   "this run had no CUDA device, so every FP8 number above comes from the exact CPU "
+                   "emulation (fp8 storage, math in fp32); `benchmarks/gpu_fp8.py` checks and times the "
+                   "native paths on a GPU and has not been run for this table."),
+        "",
+    ])
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="tiny")
+    ap.add_argument("--tokens", type=int, default=32768, help="perplexity tokens")
+    ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--chunk-size", type=int, default=128)
+    ap.add_argument("--prompts", type=int, default=32, help="greedy prompts")
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--gen-len", type=int, default=64)
+    ap.add_argument("--configs", nargs="+", default=None, help="names of the rows to run (default: all)")
+    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "fp8.md")
+    args = ap.parse_args(argv)
+    for name in ("tokens", "seq_len", "chunk_size", "prompts", "prompt_len", "gen_len"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1")
+    configs = CONFIGS if args.configs is None else [c for c in CONFIGS if c[0] in args.configs]
+    if not configs or configs[0][0] != "full precision":
+        configs = [CONFIGS[0]] + [c for c in configs if c[0] != "full precision"]
+    command = shlex.join(["python", "benchmarks/fp8_eval.py", *argv])
+
+    t0 = time.perf_counter()
+    probe = LLM(model=args.model, num_kv_blocks=8)
+    prompts = greedy_prompts(probe, args.prompts, args.prompt_len)
+    del probe
+    rows = []
+    for name, kwargs in configs:
+        print(f"{name} ...", flush=True)
+        r = evaluate(name, kwargs, args, prompts)
+        rows.append(r)
+        print("  " + (r["error"] if "error" in r else f"perplexity {r['ppl']:.4f} ({r['seconds']:.0f} s)"),
+              flush=True)
+    if "error" in rows[0]:
+        raise SystemExit(f"the full-precision baseline failed: {rows[0]['error']}")
+    text = render(rows, args, command, time.perf_counter() - t0)
+    print(text)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(text)
+    return 0 if all(math.isfinite(r["ppl"]) for r in rows if "error" not in r) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
