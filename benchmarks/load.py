@@ -89,8 +89,8 @@ def main(argv: list[str] | None = None) -> int:
         f"`{command}` ({raw['total_seconds'] / 60:.1f} min in all). {head}\n\n{workload}\n\n"
         "TTFT: request sent to first text chunk; TPOT: (last chunk - first chunk) / (output tokens - 1); "
         "offered: the arrivals' rate, (n - 1) / (last send - first send); served: n / (last finish - first send); "
-        "saturation: the most requests/s served at any rate (the server's capacity), so rates offered above it "
-        "are saturated. Absolute numbers move with the machine and its load; read the ratios.\n\n"
+        "saturated: served below 90% of the offered rate; saturation: the most requests/s served at any rate (the "
+        "server's capacity). Absolute numbers move with the machine and its load; read the ratios.\n\n"
         "## Prefix caching on vs off, side by side\n\n" + "\n".join(rows) + "\n\n"
         f"Saturation: prefix caching on: {_rate(sat['prefix caching on'])}; off: {_rate(sat['prefix caching off'])}.\n\n"
         "## Per rate\n\n" + "\n".join(sections))
@@ -101,8 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _rate(r: float) -> str:
-    return f"about {r:.2f} req/s"
+def _rate(r: float | None) -> str:
+    return "not reached at the rates tried" if r is None else f"about {r:.2f} req/s"
 
 
 if __name__ == "__main__":

@@ -311,3 +311,17 @@ def test_load_test_against_the_server(server, tiny_llm):
     assert s["tpot_p50_ms"] <= s["tpot_p99_ms"] and s["output_throughput"] > 0
     assert run.samples and all("llmopt:kv_cache_usage_perc" in x for x in run.samples)
     assert summarize(run)["completed"] == 12
+
+
+def test_bench_url_sweeps_a_running_server(server, tmp_path):
+    from llmopt.cli import main
+
+    out, raw = tmp_path / "load.md", tmp_path / "load.json"
+    assert main(["bench", "--url", server.url, "--request-rate", "8", "inf", "--num-requests", "4",
+                 "--prefix-len", "32", "--prompt-len", "4", "8", "--output-len", "3", "3", "--no-progress",
+                 "--out", str(out), "--json", str(raw)]) == 0
+    text = out.read_text()
+    rows = [line for line in text.splitlines() if line.startswith("| ") and line[2].isdigit() or "| inf" in line]
+    assert [r.split("|")[1].strip() for r in rows] == ["8", "inf"] and "saturation:" in text
+    runs = json.loads(raw.read_text())
+    assert [r["completed"] for r in runs] == [4, 4] and all(r["output_tokens"] == 12 for r in runs)

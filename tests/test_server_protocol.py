@@ -76,3 +76,29 @@ def test_stop_strings_are_held_back_until_the_end(tiny_llm):
     full = tok.decode(ids)
     assert sent == full[:len(full) - 3]  # the longest stop string, less one character, waits
     assert sent + detok.step(ids, final_text=full) == full
+
+
+def test_poisson_arrivals():
+    from scipy import stats
+
+    from llmopt.server.load import poisson_arrivals
+
+    times = poisson_arrivals(2000, rate=5.0, seed=7)
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    assert times[0] == 0.0 and all(g >= 0 for g in gaps) and times == poisson_arrivals(2000, 5.0, seed=7)
+    # exponential gaps with mean 1/rate (Kolmogorov-Smirnov against the exponential law)
+    assert stats.kstest(gaps, "expon", args=(0, 1 / 5.0)).pvalue > 0.001
+    assert poisson_arrivals(3, float("inf")) == [0.0, 0.0, 0.0]
+    for bad in ((0, 1.0), (3, 0.0), (3, -1.0)):
+        with pytest.raises(ValueError):
+            poisson_arrivals(*bad)
+
+
+def test_saturation_is_the_capacity_once_a_rate_is_not_kept_up():
+    from llmopt.server.load import saturation_rate
+
+    def run(rate, served):
+        return {"rate": rate, "offered_rate": rate, "request_throughput": served, "failed": 0}
+
+    assert saturation_rate([run(1, 1.0), run(2, 1.95)]) is None          # kept up everywhere
+    assert saturation_rate([run(1, 1.0), run(4, 2.5), run(8, 2.7)]) == 2.7  # capacity: the most served

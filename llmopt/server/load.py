@@ -257,12 +257,19 @@ def summarize(run: LoadTest) -> dict:
     return out
 
 
-def saturation_rate(summaries: list[dict]) -> float:
+def kept_up(summary: dict, share: float = 0.9) -> bool:
+    """Did the server serve the requests about as fast as they came (>= `share` of the rate)?"""
+    return summary["failed"] == 0 and summary["request_throughput"] >= share * summary["offered_rate"]
+
+
+def saturation_rate(summaries: list[dict]) -> float | None:
     """Where the server saturates: its capacity, the most requests per second it served at any
-    of the rates tried. Offered more than that, it cannot keep pace, and a queue grows (of
-    waiting requests, or on a CPU of running ones that all slow down) for as long as the
-    load lasts: latency climbs and throughput stays flat. Measure it with a top rate well
-    above what the server can do (or inf), so that one run is surely saturated."""
+    rate tried, provided some rate was more than it could keep up with (None if it kept up
+    with all of them: try higher rates). Offered more than its capacity, a server cannot keep
+    pace and a queue grows (of waiting requests, or on a CPU of running ones that all slow
+    down) for as long as the load lasts: latency climbs and throughput stays flat."""
+    if all(kept_up(s) for s in summaries):
+        return None
     return max(s["request_throughput"] for s in summaries)
 
 
@@ -278,10 +285,10 @@ def load_table(summaries: list[dict]) -> str:
     """One markdown row per rate."""
     head = ["rate (req/s)", "offered", "served req/s", "saturated", "output tok/s", "TTFT p50 ms", "TTFT p90 ms", "TTFT p99 ms",
             "TPOT p50 ms", "TPOT p90 ms", "TPOT p99 ms", "peak KV usage", "peak running / waiting", "failed"]
-    rows, capacity = [], saturation_rate(summaries)
+    rows = []
     for s in summaries:
         rows.append([f"{s['rate']:g}", f"{s['offered_rate']:.2f}", f"{s['request_throughput']:.2f}",
-                     "yes" if s["offered_rate"] > capacity else "no", f"{s['output_throughput']:,.0f}",
+                     "no" if kept_up(s) else "yes", f"{s['output_throughput']:,.0f}",
                      *(f"{s[f'{m}_p{q}_ms']:,.1f}" for m in ("ttft", "tpot") for q in (50, 90, 99)),
                      f"{s.get('peak_kv_cache_usage', float('nan')):.1%}",
                      f"{s.get('peak_running', 0):.0f} / {s.get('peak_waiting', 0):.0f}",
@@ -293,8 +300,11 @@ def load_table(summaries: list[dict]) -> str:
 def saturation_line(summaries: list[dict]) -> str:
     capacity = saturation_rate(summaries)
     best = max(summaries, key=lambda s: s["output_throughput"])
-    return (f"saturation: at about {capacity:.2f} req/s (the most the server served at any rate; offered more, a "
-            f"queue grows); peak output throughput {best['output_throughput']:,.0f} tokens/s at {best['rate']:g} req/s")
+    peak = f"peak output throughput {best['output_throughput']:,.0f} tokens/s at {best['rate']:g} req/s"
+    if capacity is None:
+        return f"saturation: not reached (served < 90% of offered at no rate tried; try higher rates); {peak}"
+    return (f"saturation: at about {capacity:.2f} req/s (the most the server served at any rate; rates marked "
+            f"saturated were served below 90% of their offered rate); {peak}")
 
 
 def bench_requests(model: str, num_requests: int, prefix_len: int, suffix_len: tuple[int, int],
