@@ -28,6 +28,8 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
     g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"])
+    g.add_argument("--calculate-kv-scales", action="store_true",
+                   help="FP8 KV cache: measure k/v scales on calibration text at start")
     g.add_argument("--quantization", default=None, choices=["fp8", "int8"])
     g.add_argument("--speculative-config", type=_json_dict, default=None,
                    help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
@@ -40,7 +42,7 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
 ENGINE_FLAGS = ["model", "tokenizer", "dtype", "device", "block_size", "num_kv_blocks",
                 "gpu_memory_utilization", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
                 "enable_chunked_prefill", "enable_prefix_caching", "scheduling_policy",
-                "kv_cache_dtype", "quantization", "speculative_config", "seed",
+                "kv_cache_dtype", "calculate_kv_scales", "quantization", "speculative_config", "seed",
                 "tensor_parallel_size", "pipeline_parallel_size", "enforce_eager"]
 
 

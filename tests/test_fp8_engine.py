@@ -249,3 +249,13 @@ def test_bad_kv_cache_types_and_scales_are_refused():
             fp8.set_scales([1.0, 1.0], [1.0, bad])
     with pytest.raises(ValueError, match="non-empty sequence"):
         observe_kv_amax(torch.nn.Linear(1, 1), [[]], 2)
+
+
+def test_cli_flags_reach_the_engine_config():
+    from llmopt.cli import build_parser, engine_kwargs
+
+    args = build_parser().parse_args(["generate", "x", "--kv-cache-dtype", "fp8_e5m2", "--calculate-kv-scales"])
+    kw = engine_kwargs(args)
+    assert kw["kv_cache_dtype"] == "fp8_e5m2" and kw["calculate_kv_scales"] is True
+    assert EngineConfig(**{k: v for k, v in kw.items() if k != "model"}).calculate_kv_scales
+    assert engine_kwargs(build_parser().parse_args(["generate", "x"]))["calculate_kv_scales"] is False
