@@ -73,7 +73,7 @@ def test_torch_path_over_fp8_pool_equals_reference(fp8):
         return batch, q, k, v
 
     tables = [perm[0:3], perm[3:6], perm[6:9]]
-    step1 = step([13, 20, 0 + 4], [0, 0, 0], tables)
+    step1 = step([13, 20, 4], [0, 0, 0], tables)
     cache.attend(0, *step1[1:], scale=D ** -0.5)
     batch, q, k, v = step([11, 5, 1], [0, 13, 20], [perm[9:11], tables[0], tables[1]])
     for window in (None, 5):
@@ -83,6 +83,12 @@ def test_torch_path_over_fp8_pool_equals_reference(fp8):
                                    batch.query_start_loc, batch.seq_lens_tensor, D ** -0.5, window,
                                    k_scale=0.02, v_scale=0.005)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        # the Triton kernels (as the cache calls them on CUDA; here under the interpreter), same answer
+        cache.use_triton = True
+        cache.begin_step(batch)
+        torch.testing.assert_close(cache.attend(0, q, k, v, scale=D ** -0.5, window=window), want,
+                                   atol=1e-4, rtol=1e-4)
+        cache.use_triton = False
     # what the pool holds for this step's tokens is fp8(clamp(k / k_scale)), byte for byte
     stored = cache.k[0].view(-1, Hkv, D)[batch.slot_mapping]
     assert torch.equal(stored.view(torch.uint8), quantize_fp8(k, 0.02, cache.cache_dtype).view(torch.uint8))
