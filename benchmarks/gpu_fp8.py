@@ -275,7 +275,7 @@ def time_engine(quick: bool) -> None:
     rows = []
     for name, kw in configs:
         try:
-            llm = LLM(model="tiny", device="cuda", gpu_memory_utilization=0.3, **kw)
+            llm = LLM(model="tiny", device="cuda", gpu_memory_utilization=0.1, **kw)
         except (ValueError, TypeError) as e:
             rows.append([name, "-", "-", f"not run: {e}"])
             continue
