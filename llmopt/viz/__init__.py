@@ -6,5 +6,7 @@ that draw neither.
 """
 
 from llmopt.viz.notebook import check_answer, format_table, in_colab, setup_notebook
+from llmopt.viz.spec import SpecTokens, spec_widget, token_sources
 
-__all__ = ["check_answer", "format_table", "in_colab", "setup_notebook"]
+__all__ = ["check_answer", "format_table", "in_colab", "setup_notebook",
+           "SpecTokens", "spec_widget", "token_sources"]
