@@ -79,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="measure speed, side by side with the baseline")
     bench.add_argument("--workload", default="kv-cache",
-                       choices=["kv-cache", "offline", "kv-memory", "prefix", "chunked"])
+                       choices=["kv-cache", "offline", "kv-memory", "prefix", "chunked", "spec"])
     bench.add_argument("--lengths", type=int, nargs="+", default=[128, 1024], help="kv-cache")
     bench.add_argument("--prompt", default="def ", help="kv-cache")
     bench.add_argument("--num-requests", type=int, default=None,
@@ -95,6 +95,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--long-len", type=int, default=1000, help="chunked: their length")
     bench.add_argument("--chunk-budget", type=int, default=256,
                        help="chunked: max_num_batched_tokens with chunked prefill on")
+    bench.add_argument("--spec-methods", nargs="+", default=["ngram", "draft_model", "eagle"],
+                       choices=["ngram", "draft_model", "eagle"], help="spec: methods to compare")
+    bench.add_argument("--spec-k", type=int, nargs="+", default=[2, 4, 6],
+                       help="spec: num_speculative_tokens values")
+    bench.add_argument("--spec-batch1", type=int, default=4,
+                       help="spec: requests run one at a time for the batch-1 latency")
     bench.add_argument("--workload-seed", type=int, default=0)
     bench.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     bench.add_argument("--profile-steps", type=int, default=0,

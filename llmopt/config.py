@@ -93,20 +93,23 @@ class EngineConfig:
             if method not in SPEC_METHODS:
                 raise ValueError(f"speculative_config['method'] must be one of {', '.join(SPEC_METHODS)}, "
                                  f"got {method!r}")
-            if method != "ngram":
-                raise ValueError(f"speculative_config: method {method!r} is not implemented in this "
-                                 "version; allowed now: 'ngram'")
-            unknown = set(sc) - {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"}
+            allowed = {"method", "num_speculative_tokens"} | (
+                {"prompt_lookup_min", "prompt_lookup_max"} if method == "ngram" else {"model"})
+            unknown = set(sc) - allowed
             if unknown:
-                raise ValueError(f"speculative_config: unknown keys {sorted(unknown)} for 'ngram'; allowed: "
-                                 "num_speculative_tokens, prompt_lookup_min, prompt_lookup_max")
-            for key, default in (("num_speculative_tokens", None), ("prompt_lookup_max", 4),
-                                 ("prompt_lookup_min", 1)):
-                if key not in sc and default is None:
-                    raise ValueError(f"speculative_config needs {key!r} (a positive integer)")
-                _positive_int(f"speculative_config['{key}']", sc.get(key, default))
-            if sc.get("prompt_lookup_min", 1) > sc.get("prompt_lookup_max", 4):
-                raise ValueError("speculative_config: prompt_lookup_min must be <= prompt_lookup_max")
+                raise ValueError(f"speculative_config: unknown keys {sorted(unknown)} for {method!r}; "
+                                 f"allowed: {', '.join(sorted(allowed))}")
+            if "num_speculative_tokens" not in sc:
+                raise ValueError("speculative_config needs 'num_speculative_tokens' (a positive integer)")
+            _positive_int("speculative_config['num_speculative_tokens']", sc["num_speculative_tokens"])
+            if method == "ngram":
+                for key, default in (("prompt_lookup_max", 4), ("prompt_lookup_min", 1)):
+                    _positive_int(f"speculative_config['{key}']", sc.get(key, default))
+                if sc.get("prompt_lookup_min", 1) > sc.get("prompt_lookup_max", 4):
+                    raise ValueError("speculative_config: prompt_lookup_min must be <= prompt_lookup_max")
+            elif "model" in sc and not (isinstance(sc["model"], str) and sc["model"]):
+                raise TypeError(f"speculative_config['model'] must be a model name or folder, "
+                                f"got {sc['model']!r}")
         _int("seed", self.seed)
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):
             _positive_int(name, getattr(self, name))

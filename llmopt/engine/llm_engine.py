@@ -56,11 +56,14 @@ class LLMEngine:
 
         cfg = self.model_config
         self.block_size = config.block_size
+        self.proposer = self._make_proposer(config.speculative_config)
         # the pool's dtype: the model's, or FP8 (1 byte a number: more blocks in the same budget)
         self.kv_cache_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, self.dtype)
         self.bytes_per_block = PagedKVCache.bytes_per_block(
             cfg.num_hidden_layers, self.block_size, cfg.num_key_value_heads, cfg.head_dim,
             self.kv_cache_dtype)
+        if self.proposer is not None:  # a draft's KV lives in blocks of the same tables
+            self.bytes_per_block += self.proposer.bytes_per_block(self.block_size)
         self.num_blocks = config.num_kv_blocks or self._blocks_from_memory_budget()
         self.block_manager = BlockManager(self.num_blocks, self.block_size, config.enable_prefix_caching)
         self.kv_cache = PagedKVCache(cfg.num_hidden_layers, self.num_blocks, self.block_size,
@@ -82,10 +85,35 @@ class LLMEngine:
         self.stats = {"num_requests": 0, "num_finished": 0, "num_aborted": 0,
                       "prompt_tokens": 0, "generation_tokens": 0}
         sc = config.speculative_config
-        self.spec = None if sc is None else (sc["num_speculative_tokens"], sc.get("prompt_lookup_min", 1),
-                                             sc.get("prompt_lookup_max", 4))
+        self.num_spec_tokens = sc["num_speculative_tokens"] if sc else 0
+        if self.proposer is not None:
+            self.proposer.bind(self.block_manager, self.num_blocks)
         self.spec_stats = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0,
-                           "accepted_per_position": [0] * (self.spec[0] if self.spec else 0)}
+                           "accepted_per_position": [0] * self.num_spec_tokens}
+
+    def _make_proposer(self, sc: dict | None):
+        """The speculative proposer `speculative_config` asks for (None: plain decoding)."""
+        from llmopt.spec.proposers import DraftModelProposer, EagleProposer, NgramProposer
+
+        if sc is None:
+            return None
+        if sc["method"] == "ngram":
+            return NgramProposer(sc.get("prompt_lookup_min", 1), sc.get("prompt_lookup_max", 4))
+        default = {"draft_model": "tiny-draft", "eagle": "tiny-eagle"}[sc["method"]]
+        if "model" not in sc and self.model_path != resolve_model("tiny"):
+            raise ValueError(f"speculative_config for method {sc['method']!r} needs 'model' (a draft "
+                             f"sharing the target's tokenizer); {default!r} only fits the bundled 'tiny'")
+        path = resolve_model(sc.get("model", default))
+        if sc["method"] == "eagle":
+            from llmopt.spec.eagle import load_eagle_head
+
+            head = load_eagle_head(path, self.model_config, self.dtype, self.device)
+            return EagleProposer(head, self.model, self.dtype, self.device)
+        draft_cfg = ModelConfig.from_pretrained(path)
+        if draft_cfg.vocab_size != self.model_config.vocab_size:
+            raise ValueError(f"draft model {path} has vocab_size {draft_cfg.vocab_size}, the target "
+                             f"{self.model_config.vocab_size}; a draft must share the target's tokenizer")
+        return DraftModelProposer(load_model(path, self.dtype, self.device), self.dtype, self.device)
 
     def _blocks_from_memory_budget(self) -> int:
         """What is left of the budget after the weights, in blocks (vLLM's profiling, simplified).
@@ -207,6 +235,8 @@ class LLMEngine:
             if seq is None or seq.is_finished:
                 continue
             self.scheduler.remove(seq)
+            if self.proposer is not None:
+                self.proposer.forget(rid)
             seq._finish("abort", None)
             self.stats["num_aborted"] += 1
 
@@ -218,7 +248,7 @@ class LLMEngine:
         bm = self.block_manager
         bm.step_allocated, bm.step_freed = [], []
         hits_before = bm.prefix_hits
-        if self.spec is not None:
+        if self.proposer is not None:
             self._propose()
         sched = self.scheduler.schedule()
         now = time.perf_counter()
@@ -226,13 +256,18 @@ class LLMEngine:
             if seq.metrics.first_scheduled_time is None:
                 seq.metrics.first_scheduled_time = now
         sampled = self.runner.execute(sched.scheduled) if sched.scheduled else {}
+        if self.proposer is not None and sched.scheduled:
+            self.proposer.observe(self.runner)
         now = time.perf_counter()
         before = {seq.request_id: (seq.num_computed_tokens, len(seq.spec_token_ids))
                   for seq, _ in sched.scheduled}
-        outputs, finished = [], []
+        outputs, finished, spec_results = [], [], {}
         for seq, n in sched.scheduled:
             drafts = seq.spec_token_ids
             emitted = sampled.get(seq.request_id)
+            if drafts and emitted is not None:
+                spec_results[seq.request_id] = {"draft_token_ids": list(drafts),
+                                                "emitted_token_ids": [t for t, _ in emitted]}
             if drafts and emitted is not None:
                 # k drafts were computed; only the accepted ones (len(emitted) - 1) stay valid
                 accepted = len(emitted) - 1
@@ -244,7 +279,7 @@ class LLMEngine:
                     c + 1 for c in self.spec_stats["accepted_per_position"][:accepted]]
             else:
                 seq.num_computed_tokens += n
-            seq.spec_token_ids = []
+            seq.clear_drafts()
             for token, lp in emitted or []:
                 # tokens of an accepted run go in one by one, so that EOS, stop strings and
                 # max_tokens end the request exactly where plain decoding would
@@ -255,11 +290,13 @@ class LLMEngine:
                 seq.check_stop(self.eos_token_ids, self.max_model_len, self.tokenizer)
                 if seq.is_finished:
                     break
-            if drafts and not seq.is_finished:
+            if self.proposer is not None and not seq.is_finished:
                 bm.trim(seq.request_id, len(seq))  # blocks that only held rejected drafts
             # full blocks become shareable once their KV is written
             bm.cache_full_blocks(seq.request_id, seq.token_ids, seq.num_computed_tokens)
             if seq.is_finished:
+                if self.proposer is not None:
+                    self.proposer.forget(seq.request_id)
                 self.scheduler.remove(seq)
                 self.requests.pop(seq.request_id, None)
                 seq.finalize_text(self.tokenizer)
@@ -268,24 +305,34 @@ class LLMEngine:
             if emitted is not None:
                 outputs.append(seq.to_output())
         if self.trace is not None:
-            self._record_trace(sched, before, finished, bm.prefix_hits - hits_before)
+            self._record_trace(sched, before, finished, bm.prefix_hits - hits_before, spec_results)
         self.step_count += 1
         return outputs
 
     def _propose(self) -> None:
-        """n-gram drafts for every decoding sequence, capped so that a fully accepted run
-        never passes max_tokens or max_model_len."""
-        k, lo, hi = self.spec
+        """Drafts for every decoding sequence, capped so that a fully accepted run never
+        passes max_tokens or max_model_len. Model proposers write KV at the draft positions,
+        so those slots are allocated first (vLLM's lookahead slots); where the pool is
+        short, that sequence simply decodes plainly this step."""
+        seqs, ks = [], []
         for seq in self.scheduler.running:
             if seq.num_computed_tokens != seq.num_tokens - 1:
                 continue  # still prefilling
             room = self.max_model_len - len(seq) - 1
             if seq.params.max_tokens is not None:
                 room = min(room, seq.params.max_tokens - len(seq.output_token_ids) - 1)
-            if room > 0:
-                seq.spec_token_ids = propose_ngram(seq.token_ids, min(k, room), lo, hi)
+            k = min(self.num_spec_tokens, room)
+            if k < 1:
+                continue
+            if self.proposer.writes_kv and not self.block_manager.allocate(seq.request_id, len(seq) + k):
+                continue
+            seqs.append(seq)
+            ks.append(k)
+        if seqs:
+            for seq, (drafts, q) in zip(seqs, self.proposer.propose(seqs, ks)):
+                seq.spec_token_ids, seq.spec_draft_probs = drafts, q
 
-    def _record_trace(self, sched, before, finished, hits) -> None:
+    def _record_trace(self, sched, before, finished, hits, spec_results) -> None:
         bm = self.block_manager
         # decode work: one new token (plus its speculative drafts) after the whole prompt;
         # anything else, a recompute after preemption included, is prefill work
@@ -296,6 +343,9 @@ class LLMEngine:
             "scheduled": [{"request_id": s.request_id, "num_tokens": n,
                            "context_len": before[s.request_id][0],
                            "num_draft_tokens": before[s.request_id][1],
+                           # speculation: the drafts, and what the verification emitted (the
+                           # accepted prefix of the drafts, then a replacement or bonus token)
+                           **spec_results.get(s.request_id, {}),
                            "kind": "decode" if before[s.request_id][0] >= len(s.prompt_token_ids)
                            else "prefill"} for s, n in sched.scheduled],
             "num_prefill_tokens": sum(n for s, n in sched.scheduled if not is_decode[s.request_id]),

@@ -13,8 +13,33 @@ import torch
 from llmopt.engine.block_manager import BlockManager
 from llmopt.engine.kv_cache import PagedBatch, PagedKVCache
 from llmopt.engine.sequence import Sequence
-from llmopt.layers.sampler import filter_logits, sample, top_logprobs
+from llmopt.layers.sampler import sample, sampling_probs, top_logprobs
 from llmopt.spec.rejection_sampler import rejection_sample
+
+
+def build_paged_batch(tables: list[list[int]], starts: list[int], query_lens: list[int],
+                      block_size: int, device) -> tuple[torch.Tensor, PagedBatch]:
+    """Positions and attention metadata for a flat step: sequence i brings query_lens[i] new
+    tokens at positions starts[i]..; its KV goes to the slots its block table maps them to.
+    (Draft models and heads run on the same block tables, with KV pools of their own.)"""
+    positions, slots = [], []
+    for table, start, n in zip(tables, starts, query_lens):
+        pos = range(start, start + n)
+        positions += pos
+        slots += [table[p // block_size] * block_size + p % block_size for p in pos]
+    width = max(len(t) for t in tables)
+    qsl = [0]
+    for n in query_lens:
+        qsl.append(qsl[-1] + n)
+    batch = PagedBatch(
+        query_lens=list(query_lens), context_lens=list(starts), block_tables=tables,
+        slot_mapping=torch.tensor(slots, device=device),
+        block_table_tensor=torch.tensor([t + [0] * (width - len(t)) for t in tables],
+                                        dtype=torch.int32, device=device),
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
+        seq_lens_tensor=torch.tensor([c + n for c, n in zip(starts, query_lens)],
+                                     dtype=torch.int32, device=device))
+    return torch.tensor(positions, device=device), batch
 
 
 class ModelRunner:
@@ -22,33 +47,15 @@ class ModelRunner:
         self.model, self.kv_cache, self.bm, self.device = model, kv_cache, block_manager, device
 
     def prepare(self, scheduled: list[tuple[Sequence, int]]):
-        bs = self.bm.block_size
-        ids, positions, slots, tables = [], [], [], []
-        query_lens, context_lens = [], []
+        ids, starts, lens, tables = [], [], [], []
         for seq, n in scheduled:
             start = seq.num_computed_tokens
-            table = self.bm.block_tables[seq.request_id]
             ids += (seq.token_ids + seq.spec_token_ids)[start:start + n]
-            pos = range(start, start + n)
-            positions += pos
-            slots += [table[p // bs] * bs + p % bs for p in pos]
-            tables.append(table)
-            query_lens.append(n)
-            context_lens.append(start)
-        dev = self.device
-        width = max(len(t) for t in tables)
-        qsl = [0]
-        for n in query_lens:
-            qsl.append(qsl[-1] + n)
-        batch = PagedBatch(
-            query_lens=query_lens, context_lens=context_lens, block_tables=tables,
-            slot_mapping=torch.tensor(slots, device=dev),
-            block_table_tensor=torch.tensor([t + [0] * (width - len(t)) for t in tables],
-                                            dtype=torch.int32, device=dev),
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
-            seq_lens_tensor=torch.tensor([c + n for c, n in zip(context_lens, query_lens)],
-                                         dtype=torch.int32, device=dev))
-        return torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), batch
+            starts.append(start)
+            lens.append(n)
+            tables.append(self.bm.block_tables[seq.request_id])
+        positions, batch = build_paged_batch(tables, starts, lens, self.bm.block_size, self.device)
+        return torch.tensor(ids, device=self.device), positions, batch
 
     @torch.inference_mode()
     def execute(self, scheduled: list[tuple[Sequence, int]]) -> dict[str, list[tuple]]:
@@ -57,7 +64,9 @@ class ModelRunner:
         plus one more."""
         input_ids, positions, batch = self.prepare(scheduled)
         self.kv_cache.begin_step(batch)
+        self.last_batch = batch
         hidden = self.model(input_ids, positions, self.kv_cache)
+        self.last_hidden = hidden  # an EAGLE head drafts from the target's features
         # A row samples when this step reaches its last known token; with k drafts the last
         # k + 1 positions all get logits: p_1..p_{k+1} for the rejection sampler.
         rows, index, end = [], [], 0
@@ -99,16 +108,9 @@ class ModelRunner:
 
     def _verify(self, seq: Sequence, logits: torch.Tensor) -> list[int]:
         """Speculative decoding's check: the target's distributions at the k + 1 positions,
-        filtered exactly as plain sampling filters them, against one-hot n-gram drafts."""
-        p = seq.params
-        if p.greedy:
-            probs = logits.softmax(-1)
-        else:
-            n = logits.shape[0]
-            dev = logits.device
-            probs = filter_logits(logits, torch.full((n,), p.temperature, device=dev),
-                                  torch.full((n,), p.top_k, device=dev),
-                                  torch.full((n,), p.top_p, device=dev),
-                                  torch.full((n,), p.min_p, device=dev)).softmax(-1)
+        filtered exactly as plain sampling filters them, against the proposer's (q, or
+        one-hot drafts when it has no distribution, as n-gram lookup has not)."""
+        probs = sampling_probs(logits, seq.params)
         drafts = torch.tensor(seq.spec_token_ids, device=logits.device)
-        return rejection_sample(probs, None, drafts, seq.generator, greedy=p.greedy)
+        return rejection_sample(probs, seq.spec_draft_probs, drafts, seq.generator,
+                                greedy=seq.params.greedy)

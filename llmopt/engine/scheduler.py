@@ -91,7 +91,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             if seq.spec_token_ids and 1 + len(seq.spec_token_ids) > budget:
-                seq.spec_token_ids = []  # no room to verify guesses this step
+                seq.clear_drafts()  # no room to verify guesses this step
             n = min(seq.num_tokens + len(seq.spec_token_ids) - seq.num_computed_tokens, budget)
             while not self.bm.allocate(seq.request_id, seq.num_computed_tokens + n):
                 victim = self.running[-1]  # newest (fcfs) / lowest priority (sorted above)
@@ -152,7 +152,7 @@ class Scheduler:
         self.bm.free(seq.request_id)
         seq.status = SequenceStatus.PREEMPTED
         seq.num_computed_tokens = 0
-        seq.spec_token_ids = []
+        seq.clear_drafts()
         seq.num_preemptions += 1
         self.num_preemptions += 1
         out.preempted.append(seq)

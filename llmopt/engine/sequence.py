@@ -41,6 +41,10 @@ class Sequence:
         self.num_cached_tokens = 0   # prompt tokens found in the prefix cache
         self.num_preemptions = 0
         self.spec_token_ids: list[int] = []  # proposed continuation, verified in the next step
+        self.spec_draft_probs: torch.Tensor | None = None  # [k, V] q of a model proposer
+
+    def clear_drafts(self) -> None:
+        self.spec_token_ids, self.spec_draft_probs = [], None
 
     @property
     def token_ids(self) -> list[int]:

@@ -35,6 +35,18 @@ def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     return logits
 
 
+def sampling_probs(logits: torch.Tensor, params) -> torch.Tensor:
+    """Rows [n, V] of one request's logits -> the distributions its sampler draws from
+    (one-hot on the argmax when greedy). Speculative decoding compares these on both sides."""
+    if params.greedy:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).to(logits.dtype)
+    n, dev = logits.shape[0], logits.device
+    return filter_logits(logits, torch.full((n,), params.temperature, device=dev, dtype=logits.dtype),
+                         torch.full((n,), params.top_k, device=dev),
+                         torch.full((n,), params.top_p, device=dev, dtype=logits.dtype),
+                         torch.full((n,), params.min_p, device=dev, dtype=logits.dtype)).softmax(-1)
+
+
 def sample(logits: torch.Tensor, params: list, generators: list[torch.Generator | None]) -> torch.Tensor:
     """One token per row. `params` are SamplingParams; greedy rows take the argmax."""
     out = logits.argmax(dim=-1)

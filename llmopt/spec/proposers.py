@@ -1,0 +1,190 @@
+"""Proposers: who guesses the next k tokens that the target then checks in one forward.
+
+Three kinds, chosen by `speculative_config["method"]` as in vLLM:
+
+- `NgramProposer`: prompt lookup, no model; its guesses are one-hot.
+- `DraftModelProposer`: a small model with the target's tokenizer runs k cheap
+  autoregressive steps.
+- `EagleProposer`: a one-layer head over the target's own features (llmopt/spec/eagle.py).
+
+The two model proposers keep KV caches of their own, but not block tables of their own:
+their pools have as many blocks as the target's and use the *target's* block tables and
+slots (as vLLM does), so allocation, prefix sharing, preemption and the rollback of
+rejected drafts all happen once, in the block manager. Each remembers which token ids
+it has written KV for; the next proposal starts where that record stops agreeing with
+the sequence (after a rejection, a preemption, or for a new request), recomputing only
+what is stale. Model proposals sample with the request's own temperature / top-k /
+top-p, and hand their distributions q to the rejection sampler (greedy: the argmax).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from llmopt.engine.kv_cache import PagedKVCache
+from llmopt.engine.model_runner import build_paged_batch
+from llmopt.engine.sequence import Sequence
+from llmopt.layers.sampler import sampling_probs
+from llmopt.spec.ngram import propose_ngram
+
+Proposal = tuple[list[int], "torch.Tensor | None"]  # draft tokens, their q [k, V] (None = one-hot)
+
+
+class NgramProposer:
+    method = "ngram"
+    writes_kv = False  # nothing to allocate before proposing
+
+    def __init__(self, prompt_lookup_min: int = 1, prompt_lookup_max: int = 4):
+        self.lo, self.hi = prompt_lookup_min, prompt_lookup_max
+
+    def bytes_per_block(self, block_size: int) -> int:
+        return 0
+
+    def bind(self, block_manager, num_blocks: int) -> None:
+        pass
+
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
+        return [(propose_ngram(s.token_ids, k, self.lo, self.hi), None) for s, k in zip(seqs, ks)]
+
+    def observe(self, runner) -> None:
+        pass
+
+    def forget(self, request_id: str) -> None:
+        pass
+
+
+class _ModelProposer:
+    """Catch up on the tokens this proposer has not seen, then k autoregressive steps."""
+
+    writes_kv = True
+
+    def __init__(self, cfg, num_layers: int, dtype: torch.dtype, device):
+        self.cfg, self.num_layers, self.dtype, self.device = cfg, num_layers, dtype, device
+        self.fed: dict[str, tuple[int, list[int]]] = {}  # request -> (preemptions seen, tokens in KV)
+
+    def bytes_per_block(self, block_size: int) -> int:
+        c = self.cfg
+        return PagedKVCache.bytes_per_block(self.num_layers, block_size, c.num_key_value_heads,
+                                            c.head_dim, self.dtype)
+
+    def bind(self, block_manager, num_blocks: int) -> None:
+        c = self.cfg
+        self.bm = block_manager
+        self.kv_cache = PagedKVCache(self.num_layers, num_blocks, block_manager.block_size,
+                                     c.num_key_value_heads, c.head_dim, self.dtype, self.device)
+
+    def forget(self, request_id: str) -> None:
+        self.fed.pop(request_id, None)
+
+    def _valid(self, seq: Sequence) -> int:
+        """How many leading tokens of `seq` this proposer's KV still holds correctly."""
+        seen, tokens = self.fed.get(seq.request_id, (-1, []))
+        if seen != seq.num_preemptions:  # new request, or its blocks were freed by a preemption
+            return 0
+        ids, n = seq.token_ids, 0
+        limit = min(len(tokens), len(ids) - 1)  # the newest token is always fed again
+        while n < limit and tokens[n] == ids[n]:
+            n += 1
+        return n
+
+    @torch.inference_mode()
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
+        bs = self.bm.block_size
+        tables = [self.bm.block_tables[s.request_id] for s in seqs]
+        starts = [self._valid(s) for s in seqs]
+        feeds = [s.token_ids[v:] for s, v in zip(seqs, starts)]
+        drafts: list[list[int]] = [[] for _ in seqs]
+        qs: list[list[torch.Tensor]] = [[] for _ in seqs]
+        active = list(range(len(seqs)))
+        prev = None  # the head's own features from the previous round (EAGLE)
+        while active:
+            # round 1 feeds each sequence's unseen tokens; later rounds one draft token each
+            positions, batch = build_paged_batch([tables[i] for i in active], [starts[i] for i in active],
+                                                 [len(feeds[i]) for i in active], bs, self.device)
+            ids = torch.tensor([t for i in active for t in feeds[i]], device=self.device)
+            self.kv_cache.begin_step(batch)
+            last = torch.cumsum(torch.tensor([len(feeds[i]) for i in active], device=self.device), 0) - 1
+            logits, prev = self._forward(ids, positions, [seqs[i] for i in active], starts, active, prev, last)
+            for row, i in enumerate(active):
+                token, q = self._pick(logits[row], seqs[i])
+                drafts[i].append(token)
+                qs[i].append(q)
+            keep = [row for row, i in enumerate(active) if len(drafts[i]) < ks[i]]
+            prev = prev[keep] if prev is not None else None
+            active = [active[row] for row in keep]
+            for i in active:
+                starts[i] += len(feeds[i])
+                feeds[i] = [drafts[i][-1]]
+        for s, d in zip(seqs, drafts):
+            self.fed[s.request_id] = (s.num_preemptions, self._fed_after(s, d))
+        return [(d, None if s.params.greedy else torch.stack(q)) for s, d, q in zip(seqs, drafts, qs)]
+
+    def _pick(self, logits: torch.Tensor, seq: Sequence) -> tuple[int, torch.Tensor | None]:
+        if seq.params.greedy:
+            return int(logits.argmax()), None
+        q = sampling_probs(logits[None], seq.params)[0]
+        return int(torch.multinomial(q, 1, generator=seq.generator)), q
+
+    def observe(self, runner) -> None:
+        pass
+
+
+class DraftModelProposer(_ModelProposer):
+    method = "draft_model"
+
+    def __init__(self, draft_model, dtype, device):
+        super().__init__(draft_model.config, draft_model.config.num_hidden_layers, dtype, device)
+        self.model = draft_model
+
+    def _forward(self, ids, positions, seqs, starts, active, prev, last):
+        hidden = self.model(ids, positions, self.kv_cache)
+        return self.model.compute_logits(hidden[last]), None
+
+    def _fed_after(self, seq: Sequence, drafts: list[int]) -> list[int]:
+        return seq.token_ids + drafts[:-1]  # the last draft was never fed
+
+
+class EagleProposer(_ModelProposer):
+    """The head reads, at position p, the embedding of token p and the target's feature at
+    p-1. Features are kept per slot, in a pool beside the KV pools, written whenever the
+    target computes a token: so they are shared and freed with the blocks, and a prefix
+    cache hit brings its features along."""
+
+    method = "eagle"
+
+    def __init__(self, head, target, dtype, device):
+        super().__init__(head.config, 1, dtype, device)
+        self.head, self.target = head, target
+
+    def bytes_per_block(self, block_size: int) -> int:
+        feature = block_size * self.cfg.hidden_size * torch.empty((), dtype=self.dtype).element_size()
+        return super().bytes_per_block(block_size) + feature
+
+    def bind(self, block_manager, num_blocks: int) -> None:
+        super().bind(block_manager, num_blocks)
+        self.features = torch.zeros(num_blocks * block_manager.block_size, self.cfg.hidden_size,
+                                    dtype=self.dtype, device=self.device)
+
+    def observe(self, runner) -> None:
+        """After a target forward: keep the features of every token it computed."""
+        self.features[runner.last_batch.slot_mapping] = runner.last_hidden.to(self.dtype)
+
+    def _forward(self, ids, positions, seqs, starts, active, prev, last):
+        if prev is None:  # catch-up: true features of positions p-1, from their slots
+            bs = self.bm.block_size
+            slots = []
+            for s, i in zip(seqs, active):
+                table = self.bm.block_tables[s.request_id]
+                slots += [table[p // bs] * bs + p % bs if p >= 0 else -1
+                          for p in range(starts[i] - 1, len(s) - 1)]
+            slots = torch.tensor(slots, device=self.device)
+            prev_features = self.features[slots.clamp_min(0)]
+            prev_features[slots < 0] = 0
+        else:  # drafting: the head's own predicted feature of the previous position
+            prev_features = prev
+        embeds = self.target.model.embed_tokens(ids)
+        feats = self.head(embeds, prev_features, positions, self.kv_cache)[last]
+        return self.target.compute_logits(feats), feats
+
+    def _fed_after(self, seq: Sequence, drafts: list[int]) -> list[int]:
+        return list(seq.token_ids)  # draft positions saw predicted features: recompute them
