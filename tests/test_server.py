@@ -221,6 +221,8 @@ BAD = [  # (endpoint, body, status, param); a str body is sent as it is
     ("completions", {"model": "tiny", "prompt": PROMPT, "max_token": 5}, 400, "max_token"),
     ("completions", {"model": "tiny", "prompt": [1, 2, 99999]}, 400, "prompt"),
     ("completions", {"model": "tiny", "prompt": long_prompt_ids()}, 400, "prompt"),
+    ("completions", {"model": "tiny", "prompt": PROMPT, "seed": 2**64}, 400, "seed"),
+    ("completions", {"model": "tiny", "prompt": PROMPT, "priority": 3}, 400, "priority"),  # fcfs server
     ("completions", {"model": "gpt-4", "prompt": PROMPT}, 404, "model"),
     ("completions", {"model": "tiny", "prompt": "x" * (2 << 20)}, 413, None),
     ("chat/completions", {"model": "tiny"}, 400, "messages"),

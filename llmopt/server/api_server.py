@@ -130,6 +130,9 @@ async def _serve_request(llm: AsyncLLM, request: Request, chat: bool, max_bytes:
     arrival = time.perf_counter()
     body = await _read_json(request, max_bytes)
     req = parse_chat(body, llm.model_name) if chat else parse_completion(body, llm.model_name)
+    if req.priority != 0 and llm.engine.config.scheduling_policy != "priority":
+        raise APIError(f"'priority' is {req.priority} but the server schedules first come, first served; "
+                       "start it with --scheduling-policy priority", param="priority")
     text, ids = _tokenize(llm, req)
     try:
         llm.check(text, ids, req.params)
@@ -205,6 +208,8 @@ async def _events(llm: AsyncLLM, req: ParsedRequest, rid: str, n_prompt: int, ou
                            else completion_chunk(rid, model, created, delta, reason))
     except EngineUnavailable as e:
         yield _sse(APIError(str(e), status=503, type="service_unavailable").to_dict())
+    except Exception as e:  # the headers are sent: the error can only travel as an event
+        yield _sse(APIError(f"internal error: {type(e).__name__}: {e}", status=500, type="internal_error").to_dict())
     else:
         if req.include_usage:
             yield _sse(usage_chunk(rid, model, created, chat, usage(n_prompt, n_out)))

@@ -127,7 +127,7 @@ class AsyncLLM:
                     try:
                         engine.add_request(rid, {"prompt_token_ids": ids, "prompt": text}, params,
                                            arrival_time=arrival, priority=priority)
-                    except ValueError as e:  # checked before already; kept for safety
+                    except Exception as e:  # checked before already; one bad request must not stop the loop
                         self._deliver(rid, e)
                 for rid in aborts:
                     self._abort_now(rid)

@@ -128,7 +128,7 @@ def _sampling(body: dict, max_tokens_field: str = "max_tokens", default_max_toke
     min_p = _get(body, "min_p", _is_number, "a number in [0, 1]", 0.0)
     if not 0.0 <= min_p <= 1.0:
         raise APIError(f"'min_p' must be in [0, 1]; got {min_p}", param="min_p")
-    seed = _get(body, "seed", _is_int, "an integer")
+    seed = _get(body, "seed", lambda v: _is_int(v) and 0 <= v < 2**63, "an integer in [0, 2**63)")
     stop = _get(body, "stop", lambda v: isinstance(v, str) or (
         isinstance(v, list) and all(isinstance(s, str) for s in v)), "a string or a list of strings")
     stops = [stop] if isinstance(stop, str) else stop or []
