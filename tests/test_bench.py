@@ -111,3 +111,27 @@ def test_benchmark_script_writes_markdown_and_json(tmp_path):
     assert len(tables(md)) == 1
     raw = json.loads((tmp_path / "engine.json").read_text())
     assert raw["kv-memory"]["schemes"]["paged"]["share_per_step"]
+
+
+def test_spec_workload_side_by_side():
+    text, raw = run_workload(bench_args("spec", "--spec-methods", "ngram", "draft_model", "--spec-k", "2",
+                                        "--num-requests", "2", "--spec-batch1", "1",
+                                        "--output-len", "12", "12"))
+    check_header(text, "spec")
+    assert set(raw["runs"]) == {"plain:0", "ngram:2", "draft_model:2"}
+    assert raw["same_tokens"] == {"plain:0": 1, "ngram:2": 1, "draft_model:2": 1}  # greedy = plain
+    d = raw["runs"]["draft_model:2"]["batch1"]
+    assert 1 <= d["mean_acceptance_length"] <= 3 and 0 <= d["acceptance_rate"] <= 1
+    # fewer target forwards than tokens once anything is accepted; never more than one per token
+    assert d["forwards_per_token"] <= 1.0
+    assert "| draft_model | 2 |" in text and "predicted (v = 1)" in text
+
+
+def test_leviathan_formula():
+    from llmopt.bench import alpha_from_length, expected_tokens_per_step, predicted_speedup
+
+    assert expected_tokens_per_step(0.0, 4) == 1.0 and expected_tokens_per_step(1.0, 4) == 5.0
+    assert expected_tokens_per_step(0.5, 2) == pytest.approx(1.75)  # 1 + 0.5 + 0.25
+    assert alpha_from_length(1.75, 2) == pytest.approx(0.5, abs=1e-6)
+    assert predicted_speedup(0.5, 2, c=0.25) == pytest.approx(1.75 / 1.5)
+    assert predicted_speedup(0.5, 2, c=0.0, verify=1.75) == pytest.approx(1.0)
