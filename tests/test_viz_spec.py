@@ -260,6 +260,12 @@ def test_speedup_rows_from_the_benchmark():
     assert [(r["method"], r["k"]) for r in rows] == [("plain", "-"), ("ngram", 2)]
     assert rows[0]["speedup"] == 1.0 and rows[0]["c"] is None
     assert rows[1]["same tokens"] == "1/1"
-    assert rows[1]["acceptance length"] == result["runs"]["ngram:2"]["batch1"]["mean_acceptance_length"]
+    run = result["runs"]["ngram:2"]
+    assert rows[1]["acceptance length"] == run["batch1"]["mean_acceptance_length"]
+    # the measured verification cost in place of Leviathan et al.'s 1
+    alpha, c = run["alpha"], rows[1]["c"]
+    assert rows[1]["predicted, verify = 1"] == pytest.approx(predicted_speedup(alpha, 2, c))
+    assert rows[1]["predicted, measured verify"] == pytest.approx(predicted_speedup(alpha, 2, c, rows[1]["verify"]))
     fig = speedup_figure(result)
-    assert list(fig.data[2].x) == ["plain", "ngram k=2"]
+    assert [t.name for t in fig.data[:3]] == ["measured", "predicted, verify = 1", "predicted, measured verify"]
+    assert list(fig.data[3].x) == ["plain", "ngram k=2"]

@@ -30,7 +30,6 @@ from llmopt.viz.notebook import LessonWidget, format_table, show_outputs
 KINDS = ("target", "accepted", "rejected", "replacement", "bonus")
 KIND_COLORS = {"target": "#e6e6e6", "accepted": "#b7e1b0", "rejected": "#f7b0a8",
                "replacement": "#fdd49e", "bonus": "#a6cbe8"}
-BAR_COLORS = {"accepted": "#2ca02c", "rejected": "#d62728", "replacement": "#ff7f0e", "bonus": "#1f77b4"}
 METHOD_COLORS = {"ngram": "#9467bd", "draft_model": "#1f77b4", "eagle": "#2ca02c"}
 
 
@@ -111,7 +110,8 @@ def spec_tokens_text(sources: list[dict], tokenizer=None) -> str:
     return format_table(step_rows(sources, tokenizer), id_columns=("step",)) + (
         "\nA step emits its accepted drafts, then one token of the target's: a replacement for the first "
         "rejected draft (the drafts after it are thrown away unchecked), or a bonus token when all were "
-        "accepted. 'target' marks a step with no drafts (the first token, after the prompt's prefill).")
+        "accepted. 'target' marks a step with no drafts: the prompt's prefill, or a step where the proposer "
+        "had nothing to offer.")
 
 
 @dataclass
@@ -154,20 +154,6 @@ def _span(kind: str, text: str, title: str = "") -> str:
     tip = f" title='{html.escape(title)}'" if title else ""
     return (f"<span style='background:{KIND_COLORS[kind]};{strike}border-radius:2px;padding:0 1px'"
             f"{tip}>{_escape(text)}</span>")
-
-
-def spec_steps_figure(sources: list[dict], title: str = "") -> go.Figure:
-    """Per engine step, stacked: accepted drafts, rejected drafts, the target's own token."""
-    steps = [r["step"] for r in step_rows(sources)]
-    fig = go.Figure()
-    for kind in ("accepted", "replacement", "bonus", "rejected"):
-        counts = [sum(r["kind"] == kind for r in sources if r["step"] == s) for s in steps]
-        fig.add_trace(go.Bar(x=list(range(len(steps))), y=counts, name=kind, marker_color=BAR_COLORS[kind],
-                             hovertext=[f"engine step {s}" for s in steps], hoverinfo="text+y+name"))
-    fig.update_layout(barmode="stack", title=title, height=300, margin=dict(l=50, r=10, t=40, b=40),
-                      xaxis_title="verification step of this request", yaxis_title="tokens",
-                      legend=dict(orientation="h", y=1.15))
-    return fig
 
 
 # -- acceptance per draft position -----------------------------------------------------------------
@@ -439,7 +425,10 @@ def speedup_model_widget(alpha: float = 0.6, c: float = 0.1, max_k: int = 10) ->
 
 
 def speedup_rows(result: dict) -> list[dict]:
-    """The table of `llmopt.bench.bench_spec`'s result, one row per configuration (batch 1)."""
+    """The table of `llmopt.bench.bench_spec`'s result, one row per configuration (batch 1).
+
+    Two predictions: Leviathan et al.'s, where verifying k + 1 tokens costs one decode step
+    (verify = 1), and the same formula with the measured verification cost in its place."""
     rows = []
     for key, run in result["runs"].items():
         method, k = key.split(":")
@@ -449,14 +438,15 @@ def speedup_rows(result: dict) -> list[dict]:
                      "acceptance length": b1["mean_acceptance_length"],
                      "target forwards / token": b1["forwards_per_token"],
                      "ms / token": b1["ms_per_token"], "speedup": run["speedup_batch1"],
-                     "c": None if plain else run["c"],
-                     "predicted": None if plain else run["predicted_speedup"],
+                     "c": None if plain else run["c"], "verify": None if plain else run["verify_cost"],
+                     "predicted, verify = 1": None if plain else run["predicted_speedup_v1"],
+                     "predicted, measured verify": None if plain else run["predicted_speedup"],
                      "same tokens": f"{result['same_tokens'][key]}/{result['batch1_requests']}"})
     return rows
 
 
 def speedup_figure(result: dict, title: str = "") -> go.Figure:
-    """Measured speedup at batch 1 beside the formula's prediction, per method; and the
+    """Measured speedup at batch 1 beside the formula's two predictions, per method; and the
     target forwards each token cost."""
     rows = [r for r in speedup_rows(result) if r["method"] != "plain"]
     labels = [f"{r['method']} k={r['k']}" for r in rows]
@@ -464,11 +454,12 @@ def speedup_figure(result: dict, title: str = "") -> go.Figure:
                                                         "target forwards per generated token"))
     fig.add_trace(go.Bar(x=labels, y=[round(r["speedup"], 3) for r in rows], name="measured",
                          marker_color="#1f77b4"), row=1, col=1)
-    fig.add_trace(go.Bar(x=labels, y=[round(r["predicted"], 3) for r in rows], name="predicted",
-                         marker_color="#bbbbbb"), row=1, col=1)
+    for name, color in (("predicted, verify = 1", "#bbbbbb"), ("predicted, measured verify", "#ff7f0e")):
+        fig.add_trace(go.Bar(x=labels, y=[round(r[name], 3) for r in rows], name=name, marker_color=color),
+                      row=1, col=1)
     fig.add_trace(go.Bar(x=["plain"] + labels, y=[round(r["target forwards / token"], 3)
                                                    for r in speedup_rows(result)],
-                         name="forwards / token", marker_color="#ff7f0e", showlegend=False), row=1, col=2)
+                         name="forwards / token", marker_color="#2ca02c", showlegend=False), row=1, col=2)
     fig.add_hline(y=1, line=dict(color="#999", dash="dot"), row=1, col=1)
     fig.update_layout(barmode="group", title=title, height=340, margin=dict(l=50, r=10, t=50, b=40),
                       legend=dict(orientation="h", y=-0.2))
