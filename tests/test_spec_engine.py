@@ -206,11 +206,20 @@ def chi2_p(a: dict, b: dict, min_count=10) -> float:
     return chi2_contingency(rows)[1]
 
 
+N_SAMPLES = 1500
+
+
+@pytest.fixture(scope="module")
+def plain_samples(tiny_llm):
+    """Two independent plain runs: how far apart two samples of the same distribution land."""
+    return (early_token_counts(tiny_llm, N_SAMPLES, seed0=0),
+            early_token_counts(tiny_llm, N_SAMPLES, seed0=N_SAMPLES))
+
+
 @pytest.mark.parametrize("spec", [NGRAM, DRAFT], ids=lambda c: c["method"])
-def test_sampled_early_token_matches_plain_sampling(tiny_llm, spec):
-    n = 1500
-    plain_a = early_token_counts(tiny_llm, n, seed0=0)
-    plain_b = early_token_counts(tiny_llm, n, seed0=n)
+def test_sampled_early_token_matches_plain_sampling(plain_samples, spec):
+    n = N_SAMPLES
+    plain_a, plain_b = plain_samples
     llm = LLM(model="tiny", speculative_config=spec, max_num_seqs=256)
     specd = early_token_counts(llm, n, seed0=2 * n)
     assert llm.get_metrics()["spec_decode_num_drafts"] > n / 10  # speculation really ran
