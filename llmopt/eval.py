@@ -51,6 +51,17 @@ def perplexity(llm, text: str | None = None, max_tokens: int | None = None, seq_
     batch_size: windows run together in one step (a flat batch, as the engine runs requests).
     token_ids: evaluate these token ids instead of tokenizing `text`.
     """
+    per_window = window_nll(llm, text, max_tokens, seq_len, chunk_size, batch_size, token_ids, use_tqdm)
+    return math.exp(sum(n for n, _ in per_window) / sum(c for _, c in per_window))
+
+
+def window_nll(llm, text: str | None = None, max_tokens: int | None = None, seq_len: int = 512,
+               chunk_size: int | None = None, batch_size: int = 8, token_ids: list[int] | None = None,
+               use_tqdm: bool = False) -> list[tuple[float, int]]:
+    """Per window of `seq_len` tokens: (summed negative log-likelihood, tokens scored), for
+    comparisons that need more than the mean (a paired bootstrap over windows, say).
+    Same arguments as `perplexity`.
+    """
     engine = getattr(llm, "llm_engine", None)
     if engine is None or not hasattr(engine, "kv_cache"):
         raise TypeError(f"perplexity needs an llmopt LLM, got {type(llm).__name__}")
@@ -89,27 +100,25 @@ def perplexity(llm, text: str | None = None, max_tokens: int | None = None, seq_
     # windows overlap by one token: window w predicts ids[w*seq_len + 1 : (w+1)*seq_len + 1]
     windows = [ids[s:s + seq_len + 1] for s in range(0, len(ids) - 1, seq_len)]
     windows = [w for w in windows if len(w) >= 2]
-    nll, count = 0.0, 0
+    out: list[tuple[float, int]] = []
     bar = None
     if use_tqdm:
         from tqdm.auto import tqdm
 
         bar = tqdm(total=len(ids) - 1, desc="perplexity", unit="tok", dynamic_ncols=True)
     for b in range(0, len(windows), batch_size):
-        group = windows[b:b + batch_size]
-        total, n = _score_windows(engine, group, chunk_size)
-        nll += total
-        count += n
+        scored = _score_windows(engine, windows[b:b + batch_size], chunk_size)
+        out += scored
         if bar is not None:
-            bar.update(n)
+            bar.update(sum(n for _, n in scored))
     if bar is not None:
         bar.close()
-    return math.exp(nll / count)
+    return out
 
 
 @torch.inference_mode()
-def _score_windows(engine, windows: list[list[int]], chunk_size: int) -> tuple[float, int]:
-    """Summed NLL of each window's tokens 1..end, run through the engine's model and cache."""
+def _score_windows(engine, windows: list[list[int]], chunk_size: int) -> list[tuple[float, int]]:
+    """(summed NLL, count) of each window's tokens 1..end, run through the engine's model and cache."""
     from llmopt.engine.sequence import Sequence
     from llmopt.sampling_params import SamplingParams
 
@@ -117,7 +126,7 @@ def _score_windows(engine, windows: list[list[int]], chunk_size: int) -> tuple[f
     seqs = [Sequence(f"__perplexity_{i}", None, w[:-1], SamplingParams(max_tokens=1))
             for i, w in enumerate(windows)]
     targets = [torch.tensor(w[1:], device=engine.device) for w in windows]
-    total, count = 0.0, 0
+    totals = [0.0] * len(windows)
     try:
         for seq in seqs:
             if not bm.allocate(seq.request_id, len(seq)):
@@ -131,11 +140,12 @@ def _score_windows(engine, windows: list[list[int]], chunk_size: int) -> tuple[f
             hidden = engine.model(input_ids, positions, engine.kv_cache)
             logits = engine.model.compute_logits(hidden)
             gold = torch.cat([targets[i][start:start + n] for i, (_, n) in zip(live, scheduled)])
-            total += torch.nn.functional.cross_entropy(logits, gold, reduction="sum").item()
-            count += gold.numel()
+            nll = torch.nn.functional.cross_entropy(logits, gold, reduction="none")
+            for i, part in zip(live, nll.split([n for _, n in scheduled])):
+                totals[i] += part.sum().item()
             for s, n in scheduled:
                 s.num_computed_tokens += n
     finally:
         for seq in seqs:
             bm.free(seq.request_id)
-    return total, count
+    return [(t, len(w) - 1) for t, w in zip(totals, windows)]

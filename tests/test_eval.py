@@ -81,3 +81,15 @@ def test_needs_an_llm():
         from llmopt import LLM
 
         perplexity(LLM("tiny-draft"), text=b"bytes")
+
+
+def test_window_nll_adds_up_to_perplexity(tiny_llm):
+    from llmopt.eval import window_nll
+
+    per_window = window_nll(tiny_llm, max_tokens=700, seq_len=256, batch_size=2)
+    assert [n for _, n in per_window] == [256, 256, 187]  # 699 tokens predicted, each once
+    ppl = math.exp(sum(v for v, _ in per_window) / 699)
+    assert ppl == pytest.approx(perplexity(tiny_llm, max_tokens=700, seq_len=256), rel=1e-6)
+    chunked = window_nll(tiny_llm, max_tokens=700, seq_len=256, chunk_size=100)
+    for (a, _), (b, _) in zip(per_window, chunked):
+        assert a == pytest.approx(b, rel=1e-5)
