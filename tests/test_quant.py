@@ -107,7 +107,8 @@ def test_gptq_ignores_dead_inputs():
 
 
 # -- AWQ -------------------------------------------------------------------------------------------------
-def test_awq_scaling_keeps_the_function_and_never_loses_to_rtn(checkpoint_dir):
+@pytest.mark.parametrize("duo_scaling", [False, True])
+def test_awq_scaling_keeps_the_function(checkpoint_dir, duo_scaling):
     from llmopt.model.loader import load_model
     from llmopt.quant.awq import awq_scale
     from llmopt.quant.calibration import BlockInputs
@@ -123,11 +124,13 @@ def test_awq_scaling_keeps_the_function_and_never_loses_to_rtn(checkpoint_dir):
         qcfg = dict(bits=4, group_size=32, sym=False, min_zero=0)
         chosen = awq_scale(layer, inputs, lambda x: runner.attention(layer, x), qcfg, cfg.num_attention_heads,
                            cfg.num_key_value_heads, cfg.num_attention_heads * cfg.head_dim,
-                           cfg.num_key_value_heads * cfg.head_dim)
+                           cfg.num_key_value_heads * cfg.head_dim, duo_scaling=duo_scaling)
         after = runner.run(layer)
         torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-5)
-        for errors in chosen["errors"].values():  # alpha = 0 (no scaling) is plain RTN
-            assert min(errors.values()) <= errors[0.0]
+        for name, errors in chosen["errors"].items():
+            if not duo_scaling:  # alpha = 0 is s = 1: plain RTN is one of the candidates
+                assert errors[0.0] == pytest.approx(chosen["rtn_error"][name], rel=1e-5)
+                assert min(errors.values()) <= chosen["rtn_error"][name]
 
 
 def test_awq_scales_v_into_o_when_shapes_allow(tmp_path):

@@ -286,10 +286,12 @@ class Fp8Linear(QuantLinear):
 
     def _native(self, xq: torch.Tensor, x_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         w = self.weight.t()  # [K, N] column-major, as _scaled_mm wants its second operand
-        if dtype == torch.bfloat16:  # row-wise scales applied in the matmul's epilogue
+        if dtype == torch.bfloat16 and torch.cuda.get_device_capability(xq.device) >= (9, 0):
+            # Hopper: row-wise scales applied in the matmul's epilogue (bf16 output only)
             a = x_scale.expand(xq.shape[0], 1).contiguous()
             return torch._scaled_mm(xq, w, scale_a=a, scale_b=self.weight_scale.t().contiguous(),
                                     out_dtype=torch.bfloat16).float()
+        # elsewhere: unit scales, fp32 output, then both scales, as the emulation applies them
         one = torch.ones((), device=xq.device)
         acc = torch._scaled_mm(xq, w, scale_a=one, scale_b=one, out_dtype=torch.float32)
         return acc * (x_scale * self.weight_scale.t())

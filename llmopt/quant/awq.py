@@ -8,8 +8,10 @@ nothing when the division is folded into the operation that produces them:
 
     y = W x = (W diag(s)) (diag(s)^-1 x)        Q(W diag(s)) is what gets stored
 
-- s = mean|x|^alpha per input channel, normalized, with alpha picked from a grid of 20 by
-  the block's output error (MSE) on calibration inputs;
+- s = mean|x|^alpha per input channel (the paper's rule), or with duo_scaling (AutoAWQ's
+  default, and llmopt's) mean|x|^alpha / w_mean^(1 - alpha), where w_mean is each input
+  channel's mean |w| relative to its group's max; normalized, with alpha picked from a grid
+  of 20 by the block's output error (MSE) on calibration inputs;
 - the division goes into the preceding RMSNorm weight (for q/k/v and gate/up), or into
   the preceding linear's output rows (up -> down, and v -> o when their shapes match; with
   grouped-query attention v has fewer rows than o has inputs, so that pair is skipped);
@@ -35,20 +37,34 @@ def activation_scale(x: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
+def weight_scale(weights: list[torch.Tensor], group_size: int) -> torch.Tensor:
+    """mean over output rows of |w| / (its group's max |w|), per input channel (AutoAWQ's w_mean)."""
+    w = torch.cat(weights).float().abs()
+    g = w.shape[1] if group_size == -1 else group_size
+    groups = w.reshape(-1, g)
+    return (groups / (groups.amax(1, keepdim=True) + 1e-6)).reshape(w.shape).mean(0)
+
+
+@torch.no_grad()
 def search_scale(block, x: torch.Tensor, linears: list, qcfg: dict, n_grid: int = N_GRID,
-                 search_tokens: int | None = None) -> tuple[torch.Tensor, dict]:
+                 search_tokens: int | None = None, duo_scaling: bool = False) -> tuple[torch.Tensor, dict]:
     """The per-input-channel scale s for `linears` (which all read x), chosen by the output
     error of `block` (a callable of x that runs through them) with their weights fake-quantized,
-    measured on the first `search_tokens` tokens (mean |x| uses them all).
-    Returns s and the error for each alpha tried."""
+    measured on the first `search_tokens` tokens (mean |x| uses them all). With duo_scaling
+    (AutoAWQ's default), s = mean|x|^alpha / w_mean^(1 - alpha) weighs the weights in as well.
+    Returns s, the error for each alpha tried, and the error without scaling (plain RTN)."""
     x_mean = activation_scale(x)
+    w_mean = weight_scale([lin.weight.data for lin in linears], qcfg["group_size"]) if duo_scaling else None
     x = x[:search_tokens]
     reference = block(x)
     originals = [lin.weight.data.clone() for lin in linears]
     best, best_err, errors = None, float("inf"), {}
     for i in range(n_grid):
         alpha = i / n_grid
-        s = x_mean.pow(alpha).clamp(min=1e-4)
+        if duo_scaling:
+            s = (x_mean.pow(alpha) / (w_mean.pow(1 - alpha) + 1e-4)).clamp(min=1e-4)
+        else:
+            s = x_mean.pow(alpha).clamp(min=1e-4)
         s = s / (s.max() * s.min()).sqrt()           # centre the scales around 1
         for lin, w in zip(linears, originals):
             lin.weight.data = (fake_quantize(w * s, **qcfg) / s).to(w.dtype)
@@ -57,8 +73,11 @@ def search_scale(block, x: torch.Tensor, linears: list, qcfg: dict, n_grid: int 
         if err < best_err:
             best, best_err = s.clone(), err
     for lin, w in zip(linears, originals):
+        lin.weight.data = (fake_quantize(w, **qcfg)).to(w.dtype)
+    rtn_error = (block(x) - reference).float().pow(2).mean().item()
+    for lin, w in zip(linears, originals):
         lin.weight.data = w
-    return best, errors
+    return best, errors, rtn_error
 
 
 @torch.no_grad()
@@ -97,24 +116,28 @@ def apply_clip(weight: torch.Tensor, max_val: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def awq_scale(layer, inputs: dict[str, torch.Tensor], attention, qcfg: dict, num_heads: int,
-              num_kv_heads: int, q_size: int, kv_size: int, search_tokens: int | None = None) -> dict:
+              num_kv_heads: int, q_size: int, kv_size: int, search_tokens: int | None = None,
+              duo_scaling: bool = False) -> dict:
     """Search and fold one decoder layer's scales, in place. `inputs` holds each linear's
     calibration input (divided by its scales on the way out, for the clipping search);
     `attention` runs the attention block on normed inputs of whole windows; the alpha grid
     is scored on the first `search_tokens` tokens. The layer computes the same function
     afterwards (up to rounding): only where the factors sit has changed.
-    Returns the scales and the error of every alpha tried, for the lesson's plots."""
+    Returns the scales, the block error of every alpha tried and of plain RTN, and each input's
+    mean |x|, for the lesson's plots."""
     attn, mlp = layer.self_attn, layer.mlp
     qkv, o, gate_up, down = attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
-    chosen, n = {}, search_tokens
+    chosen, rtn, kw = {}, {}, dict(search_tokens=search_tokens, duo_scaling=duo_scaling)
+    x_mean = {name: activation_scale(x) for name, x in inputs.items()}
 
     # all searched on the original weights, then applied
-    s_qkv, chosen["qkv_proj"] = search_scale(attention, inputs["qkv_proj"], [qkv], qcfg, search_tokens=n)
-    s_mlp, chosen["gate_up_proj"] = search_scale(mlp, inputs["gate_up_proj"], [gate_up], qcfg, search_tokens=n)
-    s_down, chosen["down_proj"] = search_scale(down, inputs["down_proj"], [down], qcfg, search_tokens=n)
+    s_qkv, chosen["qkv_proj"], rtn["qkv_proj"] = search_scale(attention, inputs["qkv_proj"], [qkv], qcfg, **kw)
+    s_mlp, chosen["gate_up_proj"], rtn["gate_up_proj"] = search_scale(mlp, inputs["gate_up_proj"], [gate_up],
+                                                                      qcfg, **kw)
+    s_down, chosen["down_proj"], rtn["down_proj"] = search_scale(down, inputs["down_proj"], [down], qcfg, **kw)
     s_o = None
     if num_heads == num_kv_heads:  # v's output rows line up with o's inputs only without GQA
-        s_o, chosen["o_proj"] = search_scale(o, inputs["o_proj"], [o], qcfg, search_tokens=n)
+        s_o, chosen["o_proj"], rtn["o_proj"] = search_scale(o, inputs["o_proj"], [o], qcfg, **kw)
 
     def fold(prev_rows: torch.Tensor, s: torch.Tensor, linear, name: str, bias=None):
         prev_rows.div_(s.view(-1, *[1] * (prev_rows.dim() - 1)).to(prev_rows.dtype))
@@ -133,7 +156,7 @@ def awq_scale(layer, inputs: dict[str, torch.Tensor], attention, qcfg: dict, num
         v_bias = qkv.bias.data[q_size + kv_size:] if qkv.bias is not None else None
         fold(v_rows, s_o, o, "o_proj", v_bias)
     return {"scales": {"qkv_proj": s_qkv, "gate_up_proj": s_mlp, "down_proj": s_down, "o_proj": s_o},
-            "errors": chosen}
+            "errors": chosen, "rtn_error": rtn, "x_mean": x_mean}
 
 
 @torch.no_grad()

@@ -5,7 +5,7 @@ to a quantized checkpoint that `LLM(model=out)` (and AutoGPTQ, AutoAWQ, vLLM) ca
 
 Every argument is checked before any weight is loaded. The knobs keep the names the
 tools use: GPTQ's desc_act, damp_percent, sym, static_groups, true_sequential; AWQ's
-zero_point and version="GEMM". Methods:
+zero_point, version="GEMM", duo_scaling and apply_clip (AutoAWQ's defaults: both on). Methods:
 
 - "rtn": round to nearest, group-wise (the baseline; no calibration);
 - "gptq": GPTQ with calibration, block by block (llmopt.quant.gptq);
@@ -31,7 +31,7 @@ from llmopt.quant.formats import AWQ_BITS, GPTQ_BITS, QuantizedWeight
 METHODS = ("rtn", "gptq", "awq", "fp8")
 FORMATS = ("gptq", "awq")
 GPTQ_KNOBS = ("desc_act", "damp_percent", "static_groups", "true_sequential")
-AWQ_KNOBS = ("zero_point", "version")
+AWQ_KNOBS = ("zero_point", "version", "duo_scaling", "apply_clip")
 
 
 @dataclass
@@ -56,7 +56,8 @@ def quantize(model="tiny", method: str = "gptq", bits: int | None = None, group_
              out=None, *, calibration=None, num_samples: int = 32, seq_len: int = 512,
              sym: bool | None = None, desc_act: bool | None = None, damp_percent: float | None = None,
              static_groups: bool | None = None, true_sequential: bool | None = None,
-             zero_point: bool | None = None, version: str | None = None, format: str | None = None,
+             zero_point: bool | None = None, version: str | None = None, duo_scaling: bool | None = None,
+             apply_clip: bool | None = None, format: str | None = None,
              block_size: int = 128, device: str = "cpu", progress: bool = True) -> QuantizeResult:
     """Quantize a bundled model name or Hugging Face folder and write the checkpoint to `out`."""
     from llmopt.model.config import ModelConfig
@@ -66,8 +67,9 @@ def quantize(model="tiny", method: str = "gptq", bits: int | None = None, group_
     if method not in METHODS:
         raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
     given = {"desc_act": desc_act, "damp_percent": damp_percent, "static_groups": static_groups,
-             "true_sequential": true_sequential, "zero_point": zero_point, "version": version, "sym": sym}
-    for name, knobs, owner in ((GPTQ_KNOBS, GPTQ_KNOBS, "gptq"), (AWQ_KNOBS, AWQ_KNOBS, "awq")):
+             "true_sequential": true_sequential, "zero_point": zero_point, "version": version, "sym": sym,
+             "duo_scaling": duo_scaling, "apply_clip": apply_clip}
+    for knobs, owner in ((GPTQ_KNOBS, "gptq"), (AWQ_KNOBS, "awq")):
         for knob in knobs:
             if given[knob] is not None and method != owner:
                 raise ValueError(f"{knob} is an option of method={owner!r}; method={method!r} does not take it")
@@ -104,6 +106,8 @@ def quantize(model="tiny", method: str = "gptq", bits: int | None = None, group_
         raise ValueError(f"damp_percent must be in (0, 1), got {damp_percent!r}")
     if version is not None and str(version).lower() != "gemm":
         raise ValueError(f"version must be 'GEMM' (the AWQ layout llmopt writes), got {version!r}")
+    if str(device) != "cpu" and not str(device).startswith("cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
     if out is None or not isinstance(out, (str, Path)) or str(out) == "":
         raise ValueError("out must name the folder to write the quantized checkpoint to")
     out = Path(out)
@@ -127,7 +131,6 @@ def quantize(model="tiny", method: str = "gptq", bits: int | None = None, group_
             raise ValueError(f"{bits}-bit weights of {where} ({k} inputs) do not fill whole int32 words")
 
     # -- calibration, model, algorithm -------------------------------------------------------------------
-    from llmopt.engine.llm_engine import _load_tokenizer
     from llmopt.model.loader import load_model
 
     windows = None
@@ -151,7 +154,8 @@ def quantize(model="tiny", method: str = "gptq", bits: int | None = None, group_
                            true_sequential=True if true_sequential is None else bool(true_sequential),
                            block_size=block_size, progress=progress)
     elif method == "awq":
-        weights, details = run_awq(net, windows, qcfg, progress=progress)
+        weights, details = run_awq(net, windows, qcfg, duo_scaling=duo_scaling is not False,
+                                   apply_clip=apply_clip is not False, progress=progress)
     else:
         from llmopt.layers.linear import Fp8Linear
 
@@ -230,7 +234,8 @@ def run_gptq(model, windows, qcfg, damp, desc_act, static_groups, true_sequentia
     return weights
 
 
-def run_awq(model, windows, qcfg, search_samples: int = 8, progress=True) -> tuple[dict[str, QuantizedWeight], dict]:
+def run_awq(model, windows, qcfg, search_samples: int = 8, duo_scaling: bool = True, apply_clip: bool = True,
+            progress=True) -> tuple[dict[str, QuantizedWeight], dict]:
     """AWQ every block: scales folded into the norms / previous linears, clipping, rounding.
     The alpha grid is scored on the first `search_samples` windows (20 forwards of the block
     each); mean |x| and the clipping search use every window."""
@@ -247,8 +252,10 @@ def run_awq(model, windows, qcfg, search_samples: int = 8, progress=True) -> tup
         q_size, kv_size = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
         details[i] = awq_scale(layer, inputs, lambda x, layer=layer: runner.attention(layer, x), fake,
                                cfg.num_attention_heads, cfg.num_key_value_heads, q_size, kv_size,
-                               search_tokens=min(search_samples, windows.shape[0]) * windows.shape[1])
-        awq_clip(layer, inputs, fake, q_size, kv_size)
+                               search_tokens=min(search_samples, windows.shape[0]) * windows.shape[1],
+                               duo_scaling=duo_scaling)
+        if apply_clip:
+            awq_clip(layer, inputs, fake, q_size, kv_size)
         for name in LINEARS:
             weights[f"model.layers.{i}.{name}"] = rtn_quantize(layer.get_submodule(name).weight.data, **fake)
         runner.hidden = output  # the full-precision block's output (scaling leaves it unchanged)

@@ -1,0 +1,305 @@
+"""Weight quantization on the bundled target: perplexity, linear-weight bytes, quantization time.
+
+Every row quantizes `tiny` (calibrating on the first part of the bundled held-out text),
+loads the checkpoint with `LLM(model=folder)`, and measures perplexity with `llmopt.eval` on
+the rest of the held-out text, side by side with fp32 and bf16 runs of the unquantized model.
+How much of RTN's perplexity gap GPTQ and AWQ recover comes with a 90% interval from a paired
+bootstrap over the evaluation windows. Greedy continuations of a few prompts go along, with
+how many of their tokens match fp32's.
+
+    python benchmarks/quant.py                                   # every row (the committed table)
+    python benchmarks/quant.py --rows fp32 rtn4-g128 gptq4-g128 --max-tokens 8192   # a quick look
+
+Writes benchmarks/results/quant.md (the table) and quant.json (the numbers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import random
+import shlex
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from llmopt import LLM, SamplingParams
+from llmopt.eval import window_nll
+from llmopt.quant import quantize
+
+# name -> how it is made: engine rows load `tiny` as it is (dtype / quantize-on-load), the others
+# are quantize() arguments. Integer rows use zero points (asymmetric), so that the methods share a grid.
+ROWS = {
+    "fp32": dict(engine=dict()),
+    "bf16": dict(engine=dict(dtype="bfloat16")),
+    "int8": dict(engine=dict(quantization="int8")),
+    "fp8": dict(engine=dict(quantization="fp8")),
+    "rtn4-g128": dict(method="rtn", bits=4, group_size=128, sym=False),
+    "gptq4-g128": dict(method="gptq", bits=4, group_size=128, sym=False),
+    "gptq4-g128-act": dict(method="gptq", bits=4, group_size=128, sym=False, desc_act=True),
+    "awq4-g128": dict(method="awq", bits=4, group_size=128),
+    "awq4-g128-paper": dict(method="awq", bits=4, group_size=128, duo_scaling=False),
+    "rtn4-g32": dict(method="rtn", bits=4, group_size=32, sym=False),
+    "gptq4-g32": dict(method="gptq", bits=4, group_size=32, sym=False),
+    "gptq4-g32-act": dict(method="gptq", bits=4, group_size=32, sym=False, desc_act=True),
+    "awq4-g32": dict(method="awq", bits=4, group_size=32),
+    "rtn3-g128": dict(method="rtn", bits=3, group_size=128, sym=False),
+    "gptq3-g128": dict(method="gptq", bits=3, group_size=128, sym=False),
+    "gptq3-g128-act": dict(method="gptq", bits=3, group_size=128, sym=False, desc_act=True),
+    "awq3-g128": dict(method="awq", bits=3, group_size=128, format="gptq"),
+}
+PROMPTS = ["def fibonacci(n):", "class Stack:", "import os\n\n\ndef "]
+SAMPLE_TOKENS = 48
+BOOTSTRAP = 2000
+
+
+def linear_bytes_of(llm) -> tuple[int, int]:
+    """(bytes of the decoder's linear weights as the engine holds them, the same in fp16)."""
+    model = llm.llm_engine.model
+    stored = fp16 = 0
+    for name in model.quantizable_linears():
+        m = model.get_submodule(name)
+        fp16 += 2 * m.in_features * m.out_features
+        stored += m.weight_bytes() if hasattr(m, "weight_bytes") else m.weight.numel() * m.weight.element_size()
+    return stored, fp16
+
+
+def run_row(name: str, spec: dict, workdir: Path, max_tokens: int | None) -> dict:
+    t0 = time.perf_counter()
+    row = {"name": name}
+    if "engine" in spec:
+        q = spec["engine"].get("quantization")
+        llm = LLM("tiny", **spec["engine"])
+        row.update(method=q or "none", bits=8 if q else 16 if spec["engine"].get("dtype") else 32,
+                   group_size=-1 if q else None, quant_seconds=0.0, format="on load" if q else "-")
+        row["linear_bytes"], row["fp16_linear_bytes"] = linear_bytes_of(llm)
+    else:
+        result = quantize("tiny", out=workdir / name, progress=False, **spec)
+        llm = LLM(str(result.path))
+        variant = "+act-order" if spec.get("desc_act") else " (paper's s)" if spec.get("duo_scaling") is False else ""
+        row.update(method=result.method + variant, bits=result.bits, group_size=result.group_size,
+                   quant_seconds=result.seconds, format=result.format,
+                   linear_bytes=result.linear_bytes, fp16_linear_bytes=result.fp16_linear_bytes)
+        if result.method == "awq":  # how salient the salient channels are: largest mean |x| / median
+            row["salient_ratio"] = max(float(x.max() / x.median()) for d in result.details.values()
+                                       for x in d["x_mean"].values())
+    t1 = time.perf_counter()
+    row["window_nll"] = window_nll(llm, max_tokens=max_tokens)
+    row["perplexity"] = math.exp(sum(v for v, _ in row["window_nll"]) / sum(n for _, n in row["window_nll"]))
+    row["eval_seconds"] = time.perf_counter() - t1
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=SAMPLE_TOKENS, ignore_eos=True),
+                        use_tqdm=False)
+    row["samples"] = [o.outputs[0].text for o in outs]
+    row["sample_token_ids"] = [o.outputs[0].token_ids for o in outs]
+    row["total_seconds"] = time.perf_counter() - t0
+    return row
+
+
+def recovered(row: dict, rtn: dict, base: dict, windows: list[int] | None = None) -> float:
+    """Share of RTN's perplexity gap to full precision that `row` closes, on these windows."""
+    idx = windows if windows is not None else range(len(base["window_nll"]))
+
+    def ppl(r):
+        return math.exp(sum(r["window_nll"][i][0] for i in idx) / sum(r["window_nll"][i][1] for i in idx))
+
+    return (ppl(rtn) - ppl(row)) / (ppl(rtn) - ppl(base))
+
+
+def recovered_interval(row, rtn, base, seed=0) -> tuple[float, float]:
+    """90% interval of `recovered` from a paired bootstrap over evaluation windows."""
+    rng = random.Random(seed)
+    n = len(base["window_nll"])
+    draws = sorted(recovered(row, rtn, base, [rng.randrange(n) for _ in range(n)]) for _ in range(BOOTSTRAP))
+    return draws[int(0.05 * BOOTSTRAP)], draws[int(0.95 * BOOTSTRAP) - 1]
+
+
+def render(rows: list[dict], command: str, eval_tokens: int) -> str:
+    base = next((r for r in rows if r["name"] == "fp32"), None)
+    rtn = {(r["bits"], r["group_size"]): r for r in rows if r["method"] == "rtn"}
+    lines = [
+        "# Weight quantization on the bundled target (`tiny`)", "",
+        f"`{command}`; torch {torch.__version__}, {platform.processor() or platform.machine()}, "
+        f"{torch.get_num_threads()} threads, shared with other jobs (times are indicative). Perplexity on "
+        f"{eval_tokens:,} tokens of the held-out text's evaluation split (`llmopt.eval.heldout_text('eval')`), "
+        "windows of 512 tokens, through the engine (`llmopt.eval.window_nll`); calibration (GPTQ, AWQ) on "
+        "32 windows of 512 tokens of its disjoint calibration split. Quantized rows run in float32 on the "
+        "CPU. Integer rows use zero points (asymmetric); GPTQ with damp_percent 0.01, true-sequential, "
+        "blocks of 128; AWQ with AutoAWQ's duo scaling and clipping unless marked \"paper's s\" "
+        "(s = mean|x|^alpha). Bytes are the decoder's linear weights as stored (packed integers, fp16 scales, "
+        "zeros, g_idx; int8 / fp8 with fp32 scales); the embedding (tied to lm_head) stays dense and is not "
+        "counted. \"RTN gap recovered\": (ppl RTN - ppl method) / (ppl RTN - ppl fp32) at the same bits and "
+        f"group size, with a 90% interval from a paired bootstrap over the {len(base['window_nll']) if base else 0} "
+        "evaluation windows.", "",
+        "| row | method | bits | group | format | perplexity | vs fp32 | RTN gap recovered | "
+        "linear weights | of fp16 | quantization s | greedy tokens = fp32 |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        delta = f"{(r['perplexity'] / base['perplexity'] - 1) * 100:+.2f}%" if base else "-"
+        ref = rtn.get((r["bits"], r["group_size"]))
+        rec = "-"
+        if base and ref is not None and r is not ref and ref["perplexity"] > base["perplexity"]:
+            lo, hi = recovered_interval(r, ref, base)
+            r["recovered"], r["recovered_90"] = recovered(r, ref, base), (lo, hi)
+            rec = f"{r['recovered'] * 100:.0f}% ({lo * 100:.0f}..{hi * 100:.0f}%)"
+        same = "-"
+        if base:
+            match = sum(a == b for x, y in zip(r["sample_token_ids"], base["sample_token_ids"]) for a, b in zip(x, y))
+            same = f"{match}/{sum(map(len, base['sample_token_ids']))}"
+        group = "-" if r["group_size"] is None else ("channel" if r["group_size"] == -1 else r["group_size"])
+        lines.append(
+            f"| {r['name']} | {r['method']} | {r['bits']} | {group} | {r['format']} | {r['perplexity']:.3f} | "
+            f"{delta} | {rec} | {r['linear_bytes'] / 2**20:.2f} MiB | "
+            f"{r['linear_bytes'] / r['fp16_linear_bytes'] * 100:.1f}% | {r['quant_seconds']:.1f} | {same} |")
+    lines += ["", "## Goals", ""]
+    for r in rows:
+        if r["bits"] == 4 and r["method"].startswith(("gptq", "awq")) and "recovered" in r:
+            ok = "met" if r["recovered"] >= 0.5 else "NOT met"
+            lines.append(f"- {r['name']} recovers {r['recovered']:.0%} of RTN-int4's gap at group "
+                         f"{r['group_size']} (goal: at least 50%): {ok}.")
+    for r in rows:
+        if r["bits"] == 4 and r["method"] != "none":
+            share = r["linear_bytes"] / r["fp16_linear_bytes"]
+            lines.append(f"- {r['name']}: linear weights {share:.1%} of fp16 (goal: at most 30%): "
+                         f"{'met' if share <= 0.30 else 'NOT met'}.")
+    lines += ["- Greedy text from every checkpoint (below) still looks like the Python the model was trained on: "
+              "comments, indentation, imports, docstrings, calls. How many of its tokens match fp32's is the "
+              "table's last column (greedy choices on this model are often near ties, so even bf16 changes some).",
+              ""]
+    lines += notes(rows, base) + ["## Greedy continuations", ""]
+    for r in rows:
+        lines += [f"**{r['name']}**", "", "```python"]
+        for p, s in zip(PROMPTS, r["samples"]):
+            lines += [(p + s).rstrip(), "# ---"]
+        lines[-1] = "```"
+        lines.append("")
+    return "\n".join(lines)
+
+
+def channel_ratios(num_samples: int = 8) -> dict[str, float]:
+    """Per kind of linear, over the blocks: the largest input channel's mean |x| over the median
+    channel's, on calibration text (how salient AWQ's salient channels are in this model)."""
+    from transformers import AutoTokenizer
+
+    from llmopt import model_path
+    from llmopt.model.loader import load_model
+    from llmopt.quant.calibration import BlockInputs, calibration_windows
+
+    model = load_model(model_path("tiny"))
+    windows = calibration_windows(AutoTokenizer.from_pretrained(model_path("tiny")), None, num_samples, 512,
+                                  model.config.vocab_size)
+    runner = BlockInputs(model, windows)
+    worst: dict[str, float] = {}
+    names = {"self_attn.qkv_proj": "q/k/v", "mlp.gate_up_proj": "gate/up", "self_attn.o_proj": "o",
+             "mlp.down_proj": "down"}
+    for layer in model.model.layers:
+        inputs, runner.hidden = runner.capture(layer, list(names))
+        for name, label in names.items():
+            m = inputs[name.rsplit(".", 1)[1]].abs().mean(0)
+            worst[label] = max(worst.get(label, 0.0), float(m.max() / m.median()))
+    return worst
+
+
+# LLaMA-7B on WikiText-2, INT4 with groups of 128 (the AWQ paper, Lin et al. 2023, Table 4)
+PAPER_INT4_G128 = {"fp16": 5.68, "RTN": 5.96, "GPTQ": 6.22, "GPTQ-R (act-order)": 5.83, "AWQ": 5.78}
+
+
+def notes(rows: list[dict], base: dict | None) -> list[str]:
+    """How this table compares with the papers', with this run's numbers filled in."""
+    by = {r["name"]: r for r in rows}
+    if base is None or not all(k in by for k in ("rtn4-g128", "gptq4-g128", "gptq4-g128-act", "awq4-g128")):
+        return []
+    pct = lambda r: (r["perplexity"] / base["perplexity"] - 1) * 100  # noqa: E731
+    rec = lambda r: f"{r['recovered'] * 100:.0f}%" if "recovered" in r else "-"  # noqa: E731
+    p = PAPER_INT4_G128
+    p_gap = p["RTN"] - p["fp16"]
+    paper = ", ".join(f"{k} {v}" for k, v in p.items())
+    ratios = channel_ratios()
+    return [
+        "## Compared with the papers", "",
+        f"The AWQ paper's LLaMA-7B WikiText-2 numbers at INT4, groups of 128: {paper}. There RTN costs "
+        f"{(p['RTN'] / p['fp16'] - 1) * 100:.1f}% of perplexity; GPTQ without reordering is *worse* than RTN; "
+        f"GPTQ with act-order recovers {(p['RTN'] - p['GPTQ-R (act-order)']) / p_gap:.0%} of RTN's gap and AWQ "
+        f"{(p['RTN'] - p['AWQ']) / p_gap:.0%}. Here RTN-int4 (g128) costs {pct(by['rtn4-g128']):.2f}%, GPTQ "
+        f"recovers {rec(by['gptq4-g128'])} of that (act-order {rec(by['gptq4-g128-act'])}) and AWQ "
+        f"{rec(by['awq4-g128'])}. Three things differ:", "",
+        "- **The size of the gap.** Rounding hurts the tiny model about twenty times less than LLaMA-7B. Its "
+        "weights are close to Gaussian (the largest is 5-6 standard deviations out in every layer; lesson 06 "
+        "lists them), and its activation channels are only mildly uneven: the largest input channel's mean |x| "
+        "is at most " + ", ".join(f"{v:.1f}x the median at {k}" for k, v in ratios.items()) + " (worst "
+        "layer, calibration text), where LLaMA-class models have a few channels tens to hundreds of times the "
+        "rest (Dettmers et al. 2022, Sun et al. 2024). Such channels make the errors of the weights they "
+        "multiply dominate the output; they are what AWQ protects and what act-order puts first. A model at "
+        "perplexity 67 also spreads its probability thinly, so small logit errors move it less.",
+        "- **GPTQ comes out ahead of AWQ, and act-order changes little.** GPTQ's error feedback needs no outliers: "
+        "the later columns absorb each rounding error whatever the activations look like, and it cuts the "
+        "output error of a layer by an order of magnitude (lesson 06, section 4). AWQ has little to protect "
+        "when the channels feeding q/k/v and gate/up differ by a few times at most: its gain here comes from the "
+        "clipping search and from the "
+        "weight term of duo scaling (compare the paper's s = mean|x|^alpha row), and the alpha it picks on "
+        "block-output MSE is a weak signal for perplexity when the scales barely differ. In the paper GPTQ is hurt by "
+        "over-fitting its calibration set (calibrated on C4 or the Pile, evaluated on WikiText); here "
+        "calibration and evaluation are disjoint parts of the same kind of text (held-out Python sources), "
+        "which favours GPTQ. Act-order matters when a few inputs carry most of the energy; the tiny model's "
+        "Hessian diagonal is flat, so the order changes little.",
+        "- **The gaps are small against the evaluation's resolution.** At 4 bits the differences are hundredths "
+        "of a perplexity point on 81,000 tokens; the bootstrap intervals in the table say how much of each "
+        "\"recovered\" figure is signal. At 3 bits RTN costs several times more and the methods separate: "
+        f"GPTQ recovers {rec(by.get('gptq3-g128', {}))} of RTN's gap (act-order "
+        f"{rec(by.get('gptq3-g128-act', {}))}), AWQ {rec(by.get('awq3-g128', {}))}. In the paper INT3 is where "
+        "both pull far away from RTN, AWQ ahead; on this model AWQ's scaling has too little unevenness to "
+        "exploit, and GPTQ's error feedback does the work.", "",
+        "Bytes match the arithmetic: 4-bit values plus an fp16 scale and a 4-bit zero per group are 4.16 bits a "
+        "weight at groups of 128 (26.0% of fp16) and 4.63 at groups of 32 (28.9%); the GPTQ layout adds g_idx "
+        "(4 bytes per input column and shard). int8 and fp8 keep one fp32 scale per output row (50.5%). "
+        "Quantization times are for this 8.4M-parameter model on a shared 2-core CPU: RTN needs no data; "
+        "GPTQ's column loop and AWQ's 20-point grid (each point one forward of the block) both take seconds "
+        "per block here; the papers quantize 7B models in minutes to hours on a GPU.", "",
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rows", nargs="+", choices=list(ROWS), default=list(ROWS))
+    ap.add_argument("--max-tokens", type=int, default=None, help="evaluate this many tokens (default: all)")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--out-dir", type=Path, default=Path(__file__).resolve().parent / "results")
+    ap.add_argument("--keep", type=Path, default=None, help="keep the checkpoints in this folder")
+    ap.add_argument("--from-json", type=Path, default=None,
+                    help="measure nothing: rewrite the table from an earlier run's quant.json")
+    args = ap.parse_args(argv)
+    if args.from_json is not None:
+        saved = json.loads(args.from_json.read_text())
+        rows = saved["rows"]
+        text = render(rows, saved["command"], sum(n for _, n in rows[0]["window_nll"]))
+        (args.out_dir / "quant.md").write_text(text + "\n")
+        print(text)
+        return 0
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    command = shlex.join(["python", "benchmarks/quant.py", *argv])
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        workdir = args.keep or Path(tmp)
+        for name in args.rows:
+            row = run_row(name, ROWS[name], workdir, args.max_tokens)
+            print(f"{name}: perplexity {row['perplexity']:.3f}, {row['linear_bytes'] / 2**20:.2f} MiB, "
+                  f"quantized in {row['quant_seconds']:.1f} s; {row['samples'][0][:60]!r}", flush=True)
+            rows.append(row)
+    eval_tokens = sum(n for _, n in rows[0]["window_nll"])
+    text = render(rows, command, eval_tokens)
+    print(text)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    (args.out_dir / "quant.md").write_text(text + "\n")
+    (args.out_dir / "quant.json").write_text(json.dumps({"command": command, "rows": rows}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
