@@ -649,7 +649,8 @@ def bench_spec(make_llm, requests: list[BenchRequest], methods: list[str], ks: l
             for reqs in group:
                 outs += llm.generate([r.prompt() for r in reqs], [r.params() for r in reqs], use_tqdm=False)
             clock = Clock.since(t0)
-            m = {key: llm.get_metrics()[key] - before[key] for key in before}
+            after = llm.get_metrics()
+            m = {key: after[key] - before[key] for key in before}
             generated = sum(len(o.outputs[0].token_ids) for o in outs)
             drafts, accepted = m["spec_decode_num_drafts"], m["spec_decode_num_accepted_tokens"]
             run[label] = {

@@ -29,3 +29,15 @@ def tiny_llm():
     from llmopt import LLM
 
     return LLM(model="tiny")
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """The tiny model's steps are too small to gain from threads; with other jobs on the CPU,
+    a second thread mostly waits (the lessons run on one thread for the same reason)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -24,16 +24,7 @@ BLOCK = 16
 setup_notebook()  # figures render as plotly's JSON mimetype, as in the lessons
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # The tiny model's steps are too small to gain from threads; with other jobs on the CPU,
-    # a second thread mostly waits (the lessons run on one thread for the same reason).
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
 
 def make_llm(**knobs) -> LLM:

@@ -34,12 +34,7 @@ REPEATING = {"prompt_token_ids": TOKENIZER("def f(x):\n" + "    x = x + 1\n" * 4
 PROMPTS = [REPEATING, {"prompt_token_ids": [1] + list(range(300, 330))}]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
 
 def make_llm(**knobs) -> LLM:

@@ -31,7 +31,6 @@ from llmopt.model.loader import load_model
 from llmopt.model.registry import resolve_model
 from llmopt.outputs import RequestOutput
 from llmopt.sampling_params import SamplingParams
-from llmopt.spec.ngram import propose_ngram
 
 
 class LLMEngine:
@@ -268,7 +267,6 @@ class LLMEngine:
             if drafts and emitted is not None:
                 spec_results[seq.request_id] = {"draft_token_ids": list(drafts),
                                                 "emitted_token_ids": [t for t, _ in emitted]}
-            if drafts and emitted is not None:
                 # k drafts were computed; only the accepted ones (len(emitted) - 1) stay valid
                 accepted = len(emitted) - 1
                 seq.num_computed_tokens += n - len(drafts) + accepted

@@ -17,6 +17,11 @@ from llmopt.layers.sampler import sample, sampling_probs, top_logprobs
 from llmopt.spec.rejection_sampler import rejection_sample
 
 
+def slots_of(table: list[int], positions, block_size: int) -> list[int]:
+    """Cache slot of each token position of a sequence: block * block_size + offset."""
+    return [table[p // block_size] * block_size + p % block_size for p in positions]
+
+
 def build_paged_batch(tables: list[list[int]], starts: list[int], query_lens: list[int],
                       block_size: int, device) -> tuple[torch.Tensor, PagedBatch]:
     """Positions and attention metadata for a flat step: sequence i brings query_lens[i] new
@@ -26,7 +31,7 @@ def build_paged_batch(tables: list[list[int]], starts: list[int], query_lens: li
     for table, start, n in zip(tables, starts, query_lens):
         pos = range(start, start + n)
         positions += pos
-        slots += [table[p // block_size] * block_size + p % block_size for p in pos]
+        slots += slots_of(table, pos, block_size)
     width = max(len(t) for t in tables)
     qsl = [0]
     for n in query_lens:

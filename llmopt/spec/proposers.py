@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from llmopt.engine.kv_cache import PagedKVCache
-from llmopt.engine.model_runner import build_paged_batch
+from llmopt.engine.model_runner import build_paged_batch, slots_of
 from llmopt.engine.sequence import Sequence
 from llmopt.layers.sampler import sampling_probs
 from llmopt.spec.ngram import propose_ngram
@@ -174,9 +174,9 @@ class EagleProposer(_ModelProposer):
             bs = self.bm.block_size
             slots = []
             for s, i in zip(seqs, active):
-                table = self.bm.block_tables[s.request_id]
-                slots += [table[p // bs] * bs + p % bs if p >= 0 else -1
-                          for p in range(starts[i] - 1, len(s) - 1)]
+                first = starts[i] - 1  # -1 before the first token: no feature (zeros)
+                slots += [-1] * (first < 0) + slots_of(self.bm.block_tables[s.request_id],
+                                                        range(max(first, 0), len(s) - 1), bs)
             slots = torch.tensor(slots, device=self.device)
             prev_features = self.features[slots.clamp_min(0)]
             prev_features[slots < 0] = 0
