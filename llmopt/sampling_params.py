@@ -8,7 +8,11 @@ from numbers import Integral, Real
 
 @dataclass
 class SamplingParams:
-    """`temperature=0` is greedy. `top_k` of -1 (or 0) and `top_p=1` switch those filters off."""
+    """`temperature=0` is greedy. `top_k` of -1 (or 0) and `top_p=1` switch those filters off.
+
+    `min_tokens`: until that many tokens are generated, the request's stop tokens (EOS unless
+    `ignore_eos`, and `stop_token_ids`) cannot be drawn, and stop strings are not checked.
+    """
 
     n: int = 1
     temperature: float = 1.0

@@ -93,6 +93,26 @@ def test_greedy_generation_matches_transformers(name, checkpoint_dir):
     assert [o.outputs[0].token_ids for o in batch] == hf_batch
 
 
+def test_min_tokens_holds_stop_tokens_back_as_transformers_does(tiny_llm):
+    """min_tokens masks stop tokens before sampling (vLLM's and transformers' min_new_tokens),
+    rather than only refusing to stop: the tokens drawn change, identically in both."""
+    prompt = tiny_llm.tokenizer("def fibonacci(n):")["input_ids"]
+    plain = tiny_llm.generate([{"prompt_token_ids": prompt}], SamplingParams(
+        temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids
+    stop = plain[1]  # greedy decoding draws it second: min_tokens=6 must hold it back
+    out = tiny_llm.generate([{"prompt_token_ids": prompt}], SamplingParams(
+        temperature=0.0, max_tokens=40, min_tokens=6, stop_token_ids=[stop], ignore_eos=True),
+        use_tqdm=False)[0].outputs[0]
+    assert stop not in out.token_ids[:6] and len(out.token_ids) >= 6
+    ref = hf_model(model_path("tiny"))
+    hf = ref.generate(input_ids=torch.tensor([prompt]), max_new_tokens=40, min_new_tokens=6,
+                      do_sample=False, eos_token_id=[stop], pad_token_id=2)[0, len(prompt):].tolist()
+    if stop in hf:  # transformers pads after the stop token
+        hf = hf[:hf.index(stop) + 1]
+    assert out.token_ids == hf
+    assert out.finish_reason == ("stop" if stop in hf else "length")
+
+
 def test_bundled_models_load_offline_with_transformers():
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

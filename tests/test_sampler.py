@@ -86,3 +86,24 @@ def test_per_request_seed_is_independent_of_batch_position():
     a = sample(logits, [SamplingParams(temperature=1.0)] * 4, gens())
     b = sample(logits[:2], [SamplingParams(temperature=1.0)] * 2, gens()[:2])
     assert a[:2].tolist() == b.tolist()
+
+
+def test_min_tokens_holds_stop_tokens_back_row_by_row():
+    """Row j of a request is its (generated + j)-th output: stop tokens are masked while that is
+    below min_tokens; EOS only without ignore_eos; the caller's logits are left as they were."""
+    from llmopt.layers.sampler import hold_back_stop_tokens
+
+    logits = torch.randn(7, 12)
+    raw = logits.clone()
+    rows = [(0, 4, SamplingParams(min_tokens=3, stop_token_ids=[5]), 1),   # 4 rows (drafts), 1 generated
+            (4, 1, SamplingParams(min_tokens=3, ignore_eos=True), 0),      # no stop token to hold back
+            (5, 1, SamplingParams(min_tokens=2, stop_token_ids=[7]), 2),   # already at min_tokens
+            (6, 1, SamplingParams(min_tokens=9, stop_token_ids=[7], ignore_eos=True), 0)]
+    out = hold_back_stop_tokens(logits, rows, eos_token_ids={0})
+    assert torch.equal(logits, raw)
+    held = out == float("-inf")
+    assert held[0, [0, 5]].all() and held[1, [0, 5]].all()          # outputs 2 and 3 of 3: held
+    assert not held[2:6].any()                                        # output 4, and the others
+    assert held[6, 7] and not held[6, 0]                              # EOS ignored, 7 held
+    assert held.sum() == 5
+    assert hold_back_stop_tokens(logits, rows[1:3], {0}) is logits    # nothing held: no copy

@@ -68,7 +68,11 @@ def test_stops_inside_an_accepted_run_match_plain(tiny_llm, spec):
     spec = LLM(model="tiny", speculative_config=spec)
     for params in (SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True),
                    SamplingParams(temperature=0.0, max_tokens=48, stop=["sys"], ignore_eos=True),
-                   SamplingParams(temperature=0.0, max_tokens=48)):
+                   SamplingParams(temperature=0.0, max_tokens=48),
+                   # min_tokens holds the newline token back: the target's masked distributions
+                   # reject drafts of it, as plain sampling never draws it
+                   SamplingParams(temperature=0.0, max_tokens=24, min_tokens=16, ignore_eos=True,
+                                  stop_token_ids=tiny_llm.tokenizer("\n", add_special_tokens=False)["input_ids"])):
         want = tiny_llm.generate(PROMPTS, params, use_tqdm=False)
         got = spec.generate(PROMPTS, params, use_tqdm=False)
         assert [(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason) for o in got] == \

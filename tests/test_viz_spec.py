@@ -82,17 +82,18 @@ def test_greedy_speculation_keeps_plain_tokens(draft_run):
 
 def test_stream_cut_where_a_stop_token_ends_the_request():
     """A stop token inside an accepted run: the engine drops what follows; so must the view."""
-    base = run_spec(make_llm, [REPEATING], NGRAM, k=4, max_tokens=24)
+    # the draft model (not prompt lookup, whose accepted tokens repeat earlier ones) accepts
+    # tokens that are new to the output, so one of them can be the stop token
+    base = run_spec(make_llm, [REPEATING], DRAFT, k=4, max_tokens=24)
     rows = token_sources(base.trace, base.outputs[0])
     out_ids = base.outputs[0].outputs[0].token_ids
-    # an accepted token with more emitted after it in its step; min_tokens lets its earlier
-    # occurrences pass (the engine applies min_tokens to stopping only, so the tokens stay the same)
-    stop = next(r for r in rows if r["kind"] == "accepted" and any(
-        o["step"] == r["step"] and o["position"] > r["position"] and o["kind"] != "rejected" for o in rows))
-    llm = make_llm(speculative_config={**NGRAM, "num_speculative_tokens": 4})
+    # an accepted token, its first occurrence in the output, with more emitted after it in its step
+    stop = next(r for r in rows if r["kind"] == "accepted" and r["token_id"] not in out_ids[:r["position"]]
+                and any(o["step"] == r["step"] and o["position"] > r["position"] and o["kind"] != "rejected"
+                        for o in rows))
+    llm = make_llm(speculative_config={**DRAFT, "num_speculative_tokens": 4})
     out = llm.generate([REPEATING], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True,
-                                                   stop_token_ids=[stop["token_id"]],
-                                                   min_tokens=stop["position"] + 1), use_tqdm=False)[0]
+                                                   stop_token_ids=[stop["token_id"]]), use_tqdm=False)[0]
     assert out.outputs[0].token_ids == out_ids[:stop["position"] + 1]
     step = next(s for e in llm.llm_engine.trace for s in e["scheduled"] if "emitted_token_ids" in s
                 and stop["token_id"] in s["emitted_token_ids"][:-1])

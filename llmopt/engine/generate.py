@@ -17,7 +17,7 @@ import torch
 
 from llmopt.engine.kv_cache import ContiguousKVCache, NoKVCache
 from llmopt.engine.sequence import Sequence, SequenceStatus
-from llmopt.layers.sampler import sample, top_logprobs
+from llmopt.layers.sampler import hold_back_stop_tokens, sample, top_logprobs
 
 
 @torch.inference_mode()
@@ -77,7 +77,9 @@ def _start(seqs: list[Sequence]) -> list[Sequence]:
 
 
 def _sample_and_check(running, logits, eos_token_ids, max_model_len, tokenizer, on_finish):
-    tokens = sample(logits, [s.params for s in running], [s.generator for s in running])
+    allowed = hold_back_stop_tokens(logits, [(i, 1, s.params, len(s.output_token_ids))
+                                             for i, s in enumerate(running)], eos_token_ids)
+    tokens = sample(allowed, [s.params for s in running], [s.generator for s in running])
     want = [s.params.logprobs for s in running]
     if any(n is not None for n in want):
         chosen, ranks, top_v, top_i = top_logprobs(logits, tokens, max(n or 0 for n in want))

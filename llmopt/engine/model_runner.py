@@ -13,7 +13,7 @@ import torch
 from llmopt.engine.block_manager import BlockManager
 from llmopt.engine.kv_cache import PagedBatch, PagedKVCache
 from llmopt.engine.sequence import Sequence
-from llmopt.layers.sampler import sample, sampling_probs, top_logprobs
+from llmopt.layers.sampler import hold_back_stop_tokens, sample, sampling_probs, top_logprobs
 from llmopt.spec.rejection_sampler import rejection_sample
 
 
@@ -48,8 +48,10 @@ def build_paged_batch(tables: list[list[int]], starts: list[int], query_lens: li
 
 
 class ModelRunner:
-    def __init__(self, model, kv_cache: PagedKVCache, block_manager: BlockManager, device):
+    def __init__(self, model, kv_cache: PagedKVCache, block_manager: BlockManager, device,
+                 eos_token_ids: set[int] = frozenset()):
         self.model, self.kv_cache, self.bm, self.device = model, kv_cache, block_manager, device
+        self.eos_token_ids = eos_token_ids  # held back until min_tokens, with stop_token_ids
 
     def prepare(self, scheduled: list[tuple[Sequence, int]]):
         ids, starts, lens, tables = [], [], [], []
@@ -90,14 +92,17 @@ class ModelRunner:
         for seq in rows:
             firsts.append(at)
             at += 1 + len(seq.spec_token_ids)
+        # draws come from `allowed` (stop tokens held back below min_tokens); logprobs from `logits`
+        allowed = hold_back_stop_tokens(logits, [(f, 1 + len(s.spec_token_ids), s.params, len(s.output_token_ids))
+                                                 for f, s in zip(firsts, rows)], self.eos_token_ids)
         tokens = {}
         if plain:
-            picked = sample(logits[[firsts[i] for i in plain]], [rows[i].params for i in plain],
+            picked = sample(allowed[[firsts[i] for i in plain]], [rows[i].params for i in plain],
                             [rows[i].generator for i in plain])
             tokens.update({i: [t] for i, t in zip(plain, picked.tolist())})
         for i, seq in enumerate(rows):
             if seq.spec_token_ids:
-                tokens[i] = self._verify(seq, logits[firsts[i]:firsts[i] + 1 + len(seq.spec_token_ids)])
+                tokens[i] = self._verify(seq, allowed[firsts[i]:firsts[i] + 1 + len(seq.spec_token_ids)])
         for i, seq in enumerate(rows):
             emitted = tokens[i]
             info = [None] * len(emitted)

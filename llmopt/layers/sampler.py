@@ -47,6 +47,27 @@ def sampling_probs(logits: torch.Tensor, params) -> torch.Tensor:
                          torch.full((n,), params.min_p, device=dev, dtype=logits.dtype)).softmax(-1)
 
 
+def hold_back_stop_tokens(logits: torch.Tensor, rows: list[tuple[int, int, object, int]],
+                          eos_token_ids: set[int]) -> torch.Tensor:
+    """min_tokens, as vLLM applies it: until a request has generated min_tokens tokens, its stop
+    tokens (EOS unless ignore_eos, and stop_token_ids) get probability zero, so something else
+    is drawn. rows: (first logits row, rows, SamplingParams, tokens generated before the first
+    of these rows), one per request; row j is the request's (generated + j)-th output.
+    Returns logits to sample from: the input itself when nothing is held back, else a masked
+    copy (log-probabilities are reported from the model's own logits, as vLLM does by default).
+    """
+    masked = logits
+    for first, count, params, generated in rows:
+        short = min(count, params.min_tokens - generated)  # rows still below min_tokens
+        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+        if short <= 0 or not stop_ids:
+            continue
+        if masked is logits:
+            masked = logits.clone()
+        masked[first:first + short, sorted(stop_ids)] = float("-inf")
+    return masked
+
+
 def sample(logits: torch.Tensor, params: list, generators: list[torch.Generator | None]) -> torch.Tensor:
     """One token per row. `params` are SamplingParams; greedy rows take the argmax."""
     out = logits.argmax(dim=-1)
