@@ -7,11 +7,6 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
-
-# What the engine sets on the CPU (llmopt.engine.llm_engine.flush_subnormals_on_every_thread),
-# set here before torch starts its thread pool, so that every worker thread inherits it.
-torch.set_flush_denormal(True)
 
 
 @pytest.fixture(scope="session")

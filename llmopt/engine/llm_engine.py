@@ -33,22 +33,6 @@ from llmopt.outputs import RequestOutput
 from llmopt.sampling_params import SamplingParams
 
 
-def flush_subnormals_on_every_thread() -> None:
-    """Treat subnormal floats (below 1.2e-38 in fp32) as zero on the CPU.
-
-    Softmax over a long row takes exp() of very negative scores, and the results land in the
-    subnormal range, which x86 cores compute dozens of times slower than normal numbers:
-    measured here, attention over a 500-token prompt takes 2 ms in the first layer and 12 ms in
-    the next, where such scores appear. GPUs' fast paths flush them too; no probability, logit
-    or activation the model uses can tell the difference. The FTZ/DAZ bits belong to each
-    thread and are inherited by threads created later, so this is set on the engine's thread
-    before the model loads, typically before torch has started its worker threads; workers that
-    a program started earlier keep their own setting (then run `torch.set_flush_denormal(True)`
-    first thing). It is process-wide: other CPU code in the process flushes them too.
-    """
-    torch.set_flush_denormal(True)
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -60,8 +44,6 @@ class LLMEngine:
                              f"max_position_embeddings ({limit}); allowed: 1..{limit}")
         self.max_model_len = config.max_model_len or limit
         self.device = config.torch_device()
-        if self.device.type == "cpu":
-            flush_subnormals_on_every_thread()
         self.dtype = config.torch_dtype(self.model_config.torch_dtype)
         self.tokenizer = _load_tokenizer(config.tokenizer or self.model_path)
         self.eos_token_ids = set(self.model_config.eos_token_ids) | _generation_eos(self.model_path)
