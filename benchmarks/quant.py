@@ -135,7 +135,7 @@ def render(rows: list[dict], command: str, eval_tokens: int) -> str:
         "32 windows of 512 tokens of its disjoint calibration split. Quantized rows run in float32 on the "
         "CPU. Integer rows use zero points (asymmetric); GPTQ with damp_percent 0.01, true-sequential, "
         "blocks of 128; AWQ with AutoAWQ's duo scaling and clipping unless marked \"paper's s\" "
-        "(s = mean|x|^alpha). Bytes are the decoder's linear weights as stored (packed integers, fp16 scales, "
+        "(s = mean|x|^alpha) or \"no clipping\". Bytes are the decoder's linear weights as stored (packed integers, fp16 scales, "
         "zeros, g_idx; int8 / fp8 with fp32 scales); the embedding (tied to lm_head) stays dense and is not "
         "counted. \"RTN gap recovered\": (ppl RTN - ppl method) / (ppl RTN - ppl fp32) at the same bits and "
         f"group size, with a 90% interval from a paired bootstrap over the {len(base['window_nll']) if base else 0} "
