@@ -32,6 +32,17 @@ from llmopt import LLM, SamplingParams
 from llmopt.eval import window_nll
 from llmopt.quant import quantize
 
+def int4_rows(g: int, **awq_variants: dict) -> dict:
+    """RTN, GPTQ (plain, act-order) and AWQ at 4 bits in groups of g, then AWQ variants."""
+    rows = {f"rtn4-g{g}": dict(method="rtn", bits=4, group_size=g, sym=False),
+            f"gptq4-g{g}": dict(method="gptq", bits=4, group_size=g, sym=False),
+            f"gptq4-g{g}-act": dict(method="gptq", bits=4, group_size=g, sym=False, desc_act=True),
+            f"awq4-g{g}": dict(method="awq", bits=4, group_size=g)}
+    rows.update({f"awq4-g{g}-{name}": dict(method="awq", bits=4, group_size=g, **knobs)
+                 for name, knobs in awq_variants.items()})
+    return rows
+
+
 # name -> how it is made: engine rows load `tiny` as it is (dtype / quantize-on-load), the others
 # are quantize() arguments. Integer rows use zero points (asymmetric), so that the methods share a grid.
 ROWS = {
@@ -39,17 +50,8 @@ ROWS = {
     "bf16": dict(engine=dict(dtype="bfloat16")),
     "int8": dict(engine=dict(quantization="int8")),
     "fp8": dict(engine=dict(quantization="fp8")),
-    "rtn4-g128": dict(method="rtn", bits=4, group_size=128, sym=False),
-    "gptq4-g128": dict(method="gptq", bits=4, group_size=128, sym=False),
-    "gptq4-g128-act": dict(method="gptq", bits=4, group_size=128, sym=False, desc_act=True),
-    "awq4-g128": dict(method="awq", bits=4, group_size=128),
-    "awq4-g128-paper": dict(method="awq", bits=4, group_size=128, duo_scaling=False),
-    "awq4-g128-noclip": dict(method="awq", bits=4, group_size=128, apply_clip=False),
-    "rtn4-g32": dict(method="rtn", bits=4, group_size=32, sym=False),
-    "gptq4-g32": dict(method="gptq", bits=4, group_size=32, sym=False),
-    "gptq4-g32-act": dict(method="gptq", bits=4, group_size=32, sym=False, desc_act=True),
-    "awq4-g32": dict(method="awq", bits=4, group_size=32),
-    "awq4-g32-noclip": dict(method="awq", bits=4, group_size=32, apply_clip=False),
+    **int4_rows(128, paper=dict(duo_scaling=False), noclip=dict(apply_clip=False)),
+    **int4_rows(32, noclip=dict(apply_clip=False)),
     "rtn3-g128": dict(method="rtn", bits=3, group_size=128, sym=False),
     "gptq3-g128": dict(method="gptq", bits=3, group_size=128, sym=False),
     "gptq3-g128-act": dict(method="gptq", bits=3, group_size=128, sym=False, desc_act=True),

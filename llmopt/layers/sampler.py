@@ -59,8 +59,10 @@ def hold_back_stop_tokens(logits: torch.Tensor, rows: list[tuple[int, int, objec
     masked = logits
     for first, count, params, generated in rows:
         short = min(count, params.min_tokens - generated)  # rows still below min_tokens
+        if short <= 0:  # the common case (min_tokens 0, or reached): nothing to build
+            continue
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
-        if short <= 0 or not stop_ids:
+        if not stop_ids:
             continue
         if masked is logits:
             masked = logits.clone()

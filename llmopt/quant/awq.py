@@ -47,13 +47,15 @@ def weight_scale(weights: list[torch.Tensor], group_size: int) -> torch.Tensor:
 
 @torch.no_grad()
 def search_scale(block, x: torch.Tensor, linears: list, qcfg: dict, n_grid: int = N_GRID,
-                 search_tokens: int | None = None, duo_scaling: bool = False) -> tuple[torch.Tensor, dict]:
+                 search_tokens: int | None = None, duo_scaling: bool = False,
+                 x_mean: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
     """The per-input-channel scale s for `linears` (which all read x), chosen by the output
     error of `block` (a callable of x that runs through them) with their weights fake-quantized,
     measured on the first `search_tokens` tokens (mean |x| uses them all). With duo_scaling
     (AutoAWQ's default), s = mean|x|^alpha / w_mean^(1 - alpha) weighs the weights in as well.
+    `x_mean`: activation_scale(x), when the caller has it already.
     Returns s, the error for each alpha tried, and the error without scaling (plain RTN)."""
-    x_mean = activation_scale(x)
+    x_mean = activation_scale(x) if x_mean is None else x_mean
     w_mean = weight_scale([lin.weight.data for lin in linears], qcfg["group_size"]) if duo_scaling else None
     x = x[:search_tokens]
     reference = block(x)
@@ -130,14 +132,17 @@ def awq_scale(layer, inputs: dict[str, torch.Tensor], attention, qcfg: dict, num
     chosen, rtn, kw = {}, {}, dict(search_tokens=search_tokens, duo_scaling=duo_scaling)
     x_mean = {name: activation_scale(x) for name, x in inputs.items()}
 
+    def search(name, block, linear):
+        s, chosen[name], rtn[name] = search_scale(block, inputs[name], [linear], qcfg, x_mean=x_mean[name], **kw)
+        return s
+
     # all searched on the original weights, then applied
-    s_qkv, chosen["qkv_proj"], rtn["qkv_proj"] = search_scale(attention, inputs["qkv_proj"], [qkv], qcfg, **kw)
-    s_mlp, chosen["gate_up_proj"], rtn["gate_up_proj"] = search_scale(mlp, inputs["gate_up_proj"], [gate_up],
-                                                                      qcfg, **kw)
-    s_down, chosen["down_proj"], rtn["down_proj"] = search_scale(down, inputs["down_proj"], [down], qcfg, **kw)
+    s_qkv = search("qkv_proj", attention, qkv)
+    s_mlp = search("gate_up_proj", mlp, gate_up)
+    s_down = search("down_proj", down, down)
     s_o = None
     if num_heads == num_kv_heads:  # v's output rows line up with o's inputs only without GQA
-        s_o, chosen["o_proj"], rtn["o_proj"] = search_scale(o, inputs["o_proj"], [o], qcfg, **kw)
+        s_o = search("o_proj", o, o)
 
     def fold(prev_rows: torch.Tensor, s: torch.Tensor, linear, name: str, bias=None):
         prev_rows.div_(s.view(-1, *[1] * (prev_rows.dim() - 1)).to(prev_rows.dtype))
