@@ -1,6 +1,7 @@
-"""`llmopt` on the command line: generate, bench and serve (engine flags spelled as vLLM's).
+"""`llmopt` on the command line: generate, chat, bench and serve (engine flags spelled as vLLM's).
 
     llmopt generate "def fibonacci(n):" --max-tokens 64 --temperature 0
+    llmopt chat --model smollm2
     llmopt bench --workload kv-cache --lengths 128 1024
     llmopt serve --model tiny --port 8000
 """
@@ -14,7 +15,8 @@ import sys
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine (vLLM spelling)")
-    g.add_argument("--model", default="tiny", help="bundled name, local HF folder or hub id")
+    g.add_argument("--model", default="tiny",
+                   help="known name (tiny, smollm2, ...), local HF folder, .gguf file or hub id")
     g.add_argument("--tokenizer", default=None)
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--device", default="auto", help="auto, cpu or cuda")
@@ -76,6 +78,15 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     add_engine_flags(gen)
+
+    chat = sub.add_parser("chat", help="a conversation in the terminal, through the model's chat template")
+    chat.add_argument("--system", default=None, help="a system message that opens the conversation")
+    chat.add_argument("--max-tokens", type=int, default=256, help="per reply")
+    chat.add_argument("--temperature", type=float, default=0.7)
+    chat.add_argument("--top-p", type=float, default=0.9)
+    chat.add_argument("--sampling-seed", type=int, default=None, help="per-reply seed")
+    add_engine_flags(chat)
+    chat.set_defaults(model="smollm2")
 
     bench = sub.add_parser("bench", help="measure speed, side by side with the baseline")
     bench.add_argument("--workload", default="kv-cache",
@@ -150,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "generate":
             return _generate(args)
+        if args.command == "chat":
+            return _chat(args)
         if args.command == "bench":
             if args.url:
                 from llmopt.server.load import bench_url
@@ -191,6 +204,65 @@ def _generate(args) -> int:
             print(o.prompt + c.text)
             print(f"[{len(c.token_ids)} tokens, finish_reason={c.finish_reason}]", file=sys.stderr)
     return 0
+
+
+def _chat(args) -> int:
+    """Read a user turn per line, answer it with the whole conversation so far as the prompt,
+    streaming the reply as the engine steps. /reset forgets the conversation, /exit (or end of
+    input) leaves; Ctrl-C stops the reply being written, not the program."""
+    from llmopt import LLM, SamplingParams
+    from llmopt.chat import render_chat
+
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
+                            seed=args.sampling_seed)
+    llm = LLM(**engine_kwargs(args))
+    opening = [{"role": "system", "content": args.system}] if args.system else []
+    history = list(opening)
+    interactive = sys.stdin.isatty()
+    if interactive:
+        print(f"chatting with {args.model} (/reset forgets, /exit leaves)", file=sys.stderr)
+    while True:
+        if interactive:
+            print("> ", end="", flush=True)
+        line = sys.stdin.readline()
+        if not line or line.strip() in ("/exit", "/quit"):
+            return 0
+        if line.strip() == "/reset":
+            history = list(opening)
+            continue
+        if not line.strip():
+            continue
+        history.append({"role": "user", "content": line.rstrip("\n")})
+        text, ids = render_chat(llm.tokenizer, history)
+        while len(ids) >= llm.max_model_len and len(history) > len(opening) + 1:
+            del history[len(opening):len(opening) + 2]  # forget the oldest exchange to fit the context
+            text, ids = render_chat(llm.tokenizer, history)
+        reply = _stream_reply(llm, text, ids, params)
+        history.append({"role": "assistant", "content": reply})
+
+
+def _stream_reply(llm, text: str, ids: list[int], params) -> str:
+    from llmopt.server.detokenizer import IncrementalDetokenizer
+
+    engine = llm.llm_engine
+    rid = f"chat-{llm._counter}"
+    llm._counter += 1
+    engine.add_request(rid, {"prompt": text, "prompt_token_ids": ids}, params)
+    detok = IncrementalDetokenizer(llm.tokenizer, params.skip_special_tokens)
+    reply = ""
+    try:
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.request_id != rid:
+                    continue
+                c = out.outputs[0]
+                delta = detok.step(c.token_ids, c.text if out.finished else None)
+                reply += delta
+                print(delta, end="", flush=True)
+    except KeyboardInterrupt:
+        engine.abort_request(rid)
+    print(flush=True)
+    return reply
 
 
 def _quantize(args) -> int:

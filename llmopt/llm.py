@@ -91,6 +91,29 @@ class LLM:
             ids_in_order.append(rid)
         return self._run(ids_in_order, use_tqdm)
 
+    def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+             use_tqdm: bool = True, chat_template: str | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, chat_template_kwargs: dict | None = None
+             ) -> list[RequestOutput]:
+        """Generate the assistant's reply to one conversation (a list of {"role", "content"}
+        dicts) or to each of a list of conversations, as vLLM's `LLM.chat` does: each is
+        rendered by the model's chat template (or `chat_template`), then generated like any
+        prompt, all of them batched together."""
+        from llmopt.chat import check_messages, render_chat
+
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise ValueError("messages must be a conversation (a non-empty list of {'role', 'content'} "
+                             "dicts) or a non-empty list of conversations")
+        batched = isinstance(messages[0], (list, tuple))
+        conversations = list(messages) if batched else [messages]
+        prompts = []
+        for i, conversation in enumerate(conversations):
+            checked = check_messages(conversation, f"messages[{i}]" if batched else "messages")
+            text, ids = render_chat(self.tokenizer, checked, add_generation_prompt, continue_final_message,
+                                    chat_template, chat_template_kwargs)
+            prompts.append({"prompt": text, "prompt_token_ids": ids})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine, wanted = self.llm_engine, set(request_ids)
         done: dict[str, RequestOutput] = {}

@@ -59,4 +59,4 @@ def test_non_editable_install_ships_the_kernels_and_models(tmp_path):
                        env=env, timeout=300)
     assert r.returncode == 0, r.stderr
     lines = r.stdout.strip().splitlines()
-    assert lines[0] == "['tiny', 'tiny-draft', 'tiny-eagle']" and int(lines[1]) > 1_000_000
+    assert lines[0] == "['smollm2', 'tiny', 'tiny-draft', 'tiny-eagle']" and int(lines[1]) > 1_000_000

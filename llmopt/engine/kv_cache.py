@@ -374,8 +374,11 @@ def read_kv_scales(folder: str | Path, num_layers: int) -> tuple[list[float], li
     """
     from safetensors import safe_open
 
+    from llmopt.model.gguf import is_gguf
     from llmopt.model.loader import safetensors_files
 
+    if is_gguf(folder):
+        return None  # llama.cpp's format stores no KV-cache scales
     found: dict[str, dict[int, float]] = {"k": {}, "v": {}}
     for f in safetensors_files(Path(folder)):
         with safe_open(str(f), framework="pt") as handle:

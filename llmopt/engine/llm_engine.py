@@ -27,7 +27,7 @@ from llmopt.engine.model_runner import ModelRunner
 from llmopt.engine.scheduler import Scheduler
 from llmopt.engine.sequence import Sequence, SequenceStatus
 from llmopt.model.config import ModelConfig
-from llmopt.model.loader import load_model
+from llmopt.model.loader import load_model, load_tokenizer
 from llmopt.model.registry import resolve_model
 from llmopt.outputs import RequestOutput
 from llmopt.sampling_params import SamplingParams
@@ -45,7 +45,7 @@ class LLMEngine:
         self.max_model_len = config.max_model_len or limit
         self.device = config.torch_device()
         self.dtype = config.torch_dtype(self.model_config.torch_dtype)
-        self.tokenizer = _load_tokenizer(config.tokenizer or self.model_path)
+        self.tokenizer = load_tokenizer(config.tokenizer or self.model_path)
         self.eos_token_ids = set(self.model_config.eos_token_ids) | _generation_eos(self.model_path)
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
@@ -395,18 +395,8 @@ class LLMEngine:
         }
 
 
-def _load_tokenizer(path):
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(str(path))
-    except Exception as e:
-        raise ValueError(f"could not load a tokenizer from {path} ({type(e).__name__}: {e}); the "
-                         "folder needs tokenizer.json and tokenizer_config.json") from None
-
-
 def _generation_eos(path: Path) -> set[int]:
-    f = Path(path) / "generation_config.json"
+    f = Path(path) / "generation_config.json"  # (a GGUF file has none: its header names EOS)
     if not f.is_file():
         return set()
     try:

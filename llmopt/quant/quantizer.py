@@ -190,10 +190,10 @@ def quantization_config(method, bits, group_size, sym, layout, damp=0.01, desc_a
 
 
 def calibration_windows_for(folder, calibration, num_samples, seq_len, vocab_size) -> torch.Tensor:
-    from llmopt.engine.llm_engine import _load_tokenizer
+    from llmopt.model.loader import load_tokenizer
     from llmopt.quant.calibration import calibration_windows
 
-    return calibration_windows(_load_tokenizer(folder), calibration, num_samples, seq_len, vocab_size)
+    return calibration_windows(load_tokenizer(folder), calibration, num_samples, seq_len, vocab_size)
 
 
 def _bar(items, progress: bool, desc: str):

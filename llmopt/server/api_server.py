@@ -30,6 +30,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from llmopt.chat import render_chat
 from llmopt.config import EngineConfig
 from llmopt.server.async_engine import AsyncLLM, EngineUnavailable
 from llmopt.server.detokenizer import IncrementalDetokenizer
@@ -113,14 +114,11 @@ async def _read_json(request: Request, max_bytes: int):
 def _tokenize(llm: AsyncLLM, req: ParsedRequest) -> tuple[str | None, list[int]]:
     tok = llm.tokenizer
     if req.is_chat:
-        if not getattr(tok, "chat_template", None):
-            raise APIError("this model's tokenizer has no chat template; use /v1/completions", param="messages")
-        try:
-            text = tok.apply_chat_template(req.messages, tokenize=False, add_generation_prompt=True)
-        except Exception as e:  # a template may refuse a conversation (e.g. roles out of order)
-            raise APIError(f"the chat template rejected the messages: {e}", param="messages") from None
-        # the template writes the special tokens (BOS, turn markers) itself
-        return text, tok(text, add_special_tokens=False)["input_ids"]
+        try:  # the template writes the special tokens (BOS, turn markers) itself
+            return render_chat(tok, req.messages)
+        except ValueError as e:  # no template, or the template refused the conversation
+            raise APIError(str(e).replace("generate() with a plain prompt", "/v1/completions"),
+                           param="messages") from None
     if isinstance(req.prompt, str):
         return req.prompt, tok(req.prompt)["input_ids"]  # with BOS, as LLM.generate does
     return None, list(req.prompt)

@@ -34,13 +34,13 @@ class EngineUnavailable(RuntimeError):
 
 class AsyncLLM:
     def __init__(self, config: EngineConfig, served_model_name: str | None = None):
-        from transformers import AutoTokenizer
+        from llmopt.model.loader import load_tokenizer
 
         self.engine = LLMEngine(config)
         self.model_name = served_model_name or config.model
         # The front end's own tokenizer: the engine thread decodes with the engine's at the
         # same time, and one Rust tokenizer must not be used from two threads at once.
-        self.tokenizer = AutoTokenizer.from_pretrained(str(config.tokenizer or self.engine.model_path))
+        self.tokenizer = load_tokenizer(config.tokenizer or self.engine.model_path)
         self.metrics = ServerMetrics(self.model_name)
         self.metrics.record_engine(self.engine.get_metrics())
         self._lock = threading.Lock()

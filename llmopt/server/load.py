@@ -311,12 +311,11 @@ def bench_requests(model: str, num_requests: int, prefix_len: int, suffix_len: t
                    output_len: tuple[int, int], seed: int = 0) -> list[LoadRequest]:
     """The benchmark's requests, as token ids of `model`'s tokenizer: a shared system prompt of
     held-out code, a distinct part, and an output length drawn from `output_len`."""
-    from transformers import AutoTokenizer
-
     from llmopt.bench import heldout_tokens
+    from llmopt.model.loader import load_tokenizer
     from llmopt.model.registry import resolve_model
 
-    tok = AutoTokenizer.from_pretrained(str(resolve_model(model)))
+    tok = load_tokenizer(resolve_model(model))
     stream = heldout_tokens(tok)
     stream = stream[1:] if stream and stream[0] == tok.bos_token_id else stream
     reqs = shared_prefix_requests(stream, num_requests, prefix_len, suffix_len, output_len[0],
