@@ -188,7 +188,12 @@ def one_at_a_time(llm, requests: list[BenchRequest], progress: bool) -> tuple[Cl
 def load_hf_model(llm):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(llm.llm_engine.model_path), dtype=llm.dtype)
+    from llmopt.model.gguf import is_gguf
+
+    path = llm.llm_engine.model_path
+    # the same weights the engine runs: a GGUF file is dequantized by transformers' own reader
+    where = {"gguf_file": path.name} if is_gguf(path) else {}
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent if where else path), dtype=llm.dtype, **where)
     return model.to(llm.device).eval()
 
 

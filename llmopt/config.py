@@ -6,6 +6,7 @@ Validation happens here, before any weights load: a wrong value is a `ValueError
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from numbers import Integral, Real
 
@@ -43,7 +44,10 @@ class EngineConfig:
     enforce_eager: bool = False
     # Not in vLLM's LLM signature but in its spirit: the CPU KV budget (vLLM reads the
     # VLLM_CPU_KVCACHE_SPACE environment variable), and an opt-in per-step trace.
-    cpu_kv_cache_space: float = 0.25  # GiB of RAM for the KV block pool on CPU (Binder has ~2)
+    # GiB of RAM for the KV block pool on CPU; None: the LLMOPT_CPU_KVCACHE_SPACE or
+    # VLLM_CPU_KVCACHE_SPACE environment variable, else sized from free memory (see
+    # LLMEngine._blocks_from_memory_budget)
+    cpu_kv_cache_space: float | None = None
     enable_trace: bool = False
 
     def __post_init__(self):
@@ -59,9 +63,12 @@ class EngineConfig:
             _positive_int("max_model_len", self.max_model_len)
         _positive_int("max_num_seqs", self.max_num_seqs)
         _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
-        _real("cpu_kv_cache_space", self.cpu_kv_cache_space)
-        if not self.cpu_kv_cache_space > 0:
-            raise ValueError(f"cpu_kv_cache_space (GiB) must be > 0, got {self.cpu_kv_cache_space}")
+        if self.cpu_kv_cache_space is None:
+            self.cpu_kv_cache_space = _cpu_kv_space_from_env()
+        if self.cpu_kv_cache_space is not None:
+            _real("cpu_kv_cache_space", self.cpu_kv_cache_space)
+            if not self.cpu_kv_cache_space > 0:
+                raise ValueError(f"cpu_kv_cache_space (GiB) must be > 0, got {self.cpu_kv_cache_space}")
         for name in ("enable_chunked_prefill", "enable_prefix_caching", "enforce_eager", "enable_trace",
                      "calculate_kv_scales"):
             if not isinstance(getattr(self, name), bool):
@@ -133,6 +140,19 @@ class EngineConfig:
         if self.torch_device().type == "cpu":
             return torch.float32
         return {"float16": torch.float16}.get(checkpoint_dtype or "", torch.bfloat16)
+
+
+def _cpu_kv_space_from_env() -> float | None:
+    for var in ("LLMOPT_CPU_KVCACHE_SPACE", "VLLM_CPU_KVCACHE_SPACE"):
+        text = os.environ.get(var, "").strip()
+        if text:
+            try:
+                value = float(text)
+            except ValueError:
+                raise ValueError(f"{var}={text!r}: must be a number of GiB (> 0)") from None
+            # vLLM reads 0 as "size it automatically"
+            return value if value != 0 else None
+    return None
 
 
 def _int(name, v):

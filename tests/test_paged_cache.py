@@ -39,3 +39,32 @@ def test_torch_path_equals_reference_on_a_mixed_batch():
         want = paged_attention_ref(q, cache.k[0], cache.v[0], batch.block_table_tensor,
                                    batch.query_start_loc, batch.seq_lens_tensor, D ** -0.5, window)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_stale_nan_slots_never_reach_a_request():
+    """A pool's unwritten slots and the padding of a decode group are never read: a NaN left
+    in a freed block by an earlier request does not reach the next one (the pool is
+    allocated empty, not zeroed, so this is what keeps garbage out)."""
+    bs, Hkv, G, D = 8, 2, 3, 16
+    cache = PagedKVCache(1, 12, bs, Hkv, D)
+    cache.k[0].fill_(float("nan"))
+    cache.v[0].fill_(float("nan"))
+    g = torch.Generator().manual_seed(1)
+    # two decoding sequences of different lengths in one group: the shorter one is padded
+    lens, tables = [5, 19], [[3], [7, 1, 9]]
+    for t, n in zip(tables, lens):
+        for p in range(n - 1):
+            cache.k[0][t[p // bs], p % bs] = torch.randn(Hkv, D, generator=g)
+            cache.v[0][t[p // bs], p % bs] = torch.randn(Hkv, D, generator=g)
+    slots = [t[(n - 1) // bs] * bs + (n - 1) % bs for t, n in zip(tables, lens)]
+    batch = PagedBatch([1, 1], [n - 1 for n in lens], tables, torch.tensor(slots),
+                       torch.tensor([t + [0] * (3 - len(t)) for t in tables], dtype=torch.int32),
+                       torch.tensor([0, 1, 2], dtype=torch.int32), torch.tensor(lens, dtype=torch.int32))
+    q = torch.randn(2, Hkv * G, D, generator=g)
+    k, v = torch.randn(2, Hkv, D, generator=g), torch.randn(2, Hkv, D, generator=g)
+    cache.begin_step(batch)
+    got = cache.attend(0, q, k, v, scale=D ** -0.5)
+    assert torch.isfinite(got).all()
+    want = paged_attention_ref(q, cache.k[0], cache.v[0], batch.block_table_tensor,
+                               batch.query_start_loc, batch.seq_lens_tensor, D ** -0.5)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

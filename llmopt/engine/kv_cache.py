@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from llmopt.fp8 import KV_CACHE_FP8_DTYPES, is_fp8, scale_from_amax
 from llmopt.kernels.paged_attention import paged_attention, write_kv
@@ -193,10 +194,12 @@ class PagedKVCache(KVCache):
         self.dtype = dtype                                              # attention's dtype
         self.cache_dtype = kv_cache_torch_dtype(kv_cache_dtype, dtype)  # the pool's dtype
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        # Zeros, not empty: the torch path multiplies masked-out (padding) slots by a zero
-        # attention weight, and 0 x NaN from uninitialized memory would still be NaN.
-        self.k = [torch.zeros(shape, dtype=self.cache_dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=self.cache_dtype, device=device) for _ in range(num_layers)]
+        # Empty, not zeros: nothing ever reads a slot before its token's key and value are
+        # written there (the torch path gathers only written slots, the kernels mask the rest),
+        # so a slot's old contents, even a NaN a failed request left behind, never reach
+        # another request; and a CPU pool of gigabytes costs memory only as it fills.
+        self.k = [torch.empty(shape, dtype=self.cache_dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.empty(shape, dtype=self.cache_dtype, device=device) for _ in range(num_layers)]
         self.num_blocks, self.block_size = num_blocks, block_size
         # Per layer, one scale for all keys and one for all values (1.0: stored as is).
         self.k_scale = [1.0] * num_layers
@@ -258,14 +261,27 @@ class PagedKVCache(KVCache):
         self._decode_groups = []
         dev = self.k[0].device
         starts = batch.query_start_loc[:-1].long()
+        num_kv_heads = self.k[0].shape[2]
         for g in range(0, len(decode), self.DECODE_GROUP):
             rows = decode[g:g + self.DECODE_GROUP]
             index = torch.tensor(rows, device=dev)
-            nb = -(-batch.seq_lens[rows[-1]] // self.block_size)  # rows are sorted by length
-            self._decode_groups.append((
-                starts[index],                                  # each query's row in the flat batch
-                batch.seq_lens_tensor.long()[index],            # valid keys per sequence
-                batch.block_table_tensor[index, :nb].long()))   # their blocks, padded to the group
+            lens = batch.seq_lens_tensor.long()[index]
+            L = batch.seq_lens[rows[-1]]  # rows are sorted by length: the group's longest
+            tables = batch.block_table_tensor[index, :-(-L // self.block_size)].long()
+            # Each sequence's slots for positions 0..L-1; positions past its own length (the
+            # group's padding) re-read its position 0, a written slot, and are masked out.
+            pos = torch.arange(L, device=dev)
+            valid = pos[None, :] < lens[:, None]
+            slots = tables[:, pos // self.block_size] * self.block_size + pos % self.block_size
+            slots = torch.where(valid, slots, slots[:, :1])
+            # The pool viewed as rows of head_dim numbers, ordered (sequence, kv head, position):
+            # one gather gives each group a contiguous [B, Hkv, L, D], and it is worked out once
+            # per step for every layer, as is the additive mask.
+            heads = torch.arange(num_kv_heads, device=dev)
+            gather = (slots[:, None, :] * num_kv_heads + heads[None, :, None]).flatten()
+            mask = torch.zeros(len(rows), 1, 1, L, dtype=self.dtype, device=dev).masked_fill_(
+                ~valid[:, None, None, :], float("-inf"))
+            self._decode_groups.append((starts[index], gather, mask, L))
         # Prompts and prompt chunks: where their queries sit, and (after cached context) which
         # blocks hold their keys. Worked out once per step, not once per layer.
         self._prefills = []
@@ -298,14 +314,20 @@ class PagedKVCache(KVCache):
 
     def _attend_torch(self, q, k, v, K, V, k_scale, v_scale, scale, window):
         out = torch.empty_like(q)
-        for tokens, lens, tables in self._decode_groups:
-            # gather each group's blocks into a padded [B, Hkv, L, D] batch; index_select on the
-            # flattened table is the fastest gather torch has on CPU
-            B, nb = tables.shape
-            flat = tables.flatten()
-            kg = self._read(K, flat, k_scale).view(B, nb * self.block_size, *K.shape[2:]).transpose(1, 2)
-            vg = self._read(V, flat, v_scale).view(B, nb * self.block_size, *V.shape[2:]).transpose(1, 2)
-            out[tokens] = batched_decode_attention(q[tokens], kg, vg, lens, scale, window)
+        num_kv_heads, head_dim = K.shape[2], K.shape[3]
+        for tokens, gather, mask, L in self._decode_groups:
+            # gather each group's keys and values into a padded [B, Hkv, L, D] batch
+            # (index_select is the fastest gather torch has on CPU), then one SDPA call
+            B = tokens.shape[0]
+            kg = self._read(K.view(-1, head_dim), gather, k_scale).view(B, num_kv_heads, L, head_dim)
+            vg = self._read(V.view(-1, head_dim), gather, v_scale).view(B, num_kv_heads, L, head_dim)
+            if window is not None:  # sliding window: only the last `window` keys of each sequence
+                lens = (mask[:, 0, 0] == 0).sum(-1)
+                pos = torch.arange(L, device=q.device)
+                mask = mask.masked_fill((pos[None, :] < lens[:, None] - window)[:, None, None, :],
+                                        float("-inf"))
+            out[tokens] = F.scaled_dot_product_attention(q[tokens].unsqueeze(2), kg, vg, attn_mask=mask,
+                                                         scale=scale, enable_gqa=True).squeeze(2)
         for s, e, ctx, blocks in self._prefills:
             if blocks is None and not self.is_fp8:  # a whole prompt: its keys are this step's keys
                 keys, values = k[s:e], v[s:e]

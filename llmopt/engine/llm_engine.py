@@ -14,6 +14,7 @@ any two steps: that is continuous batching, and the server drives it the same wa
 from __future__ import annotations
 
 import json
+import os
 import time
 from numbers import Integral
 from pathlib import Path
@@ -121,15 +122,23 @@ class LLMEngine:
         CUDA: `gpu_memory_utilization` x device memory, minus the peak torch memory of a
         profile forward (weights + the largest step's activations) and minus what lives
         outside torch (the CUDA context, other processes). CPU: `cpu_kv_cache_space` GiB (vLLM reads
-        VLLM_CPU_KVCACHE_SPACE), since a CPU's RAM is shared with everything else.
+        VLLM_CPU_KVCACHE_SPACE) when given; else sized here, since a CPU's RAM is shared with
+        everything else (the notebook, a reference model, the OS): a quarter of the memory
+        available once the weights are loaded, at least 0.25 GiB and at most 4 GiB, and never
+        more than the running batch can fill (max_num_seqs sequences of max_model_len tokens).
+        4 GiB holds 93K tokens of SmolLM2-135M in float32, more than a few CPU cores get through
+        in minutes of decoding; a quarter leaves Binder's 2 GiB machines room for the rest.
         """
         if self.device.type == "cuda":
             peak = self._profile_peak_memory()
             free, total = torch.cuda.mem_get_info(self.device)
             other = total - free - torch.cuda.memory_reserved(self.device)  # other processes, CUDA context
             budget = self.config.gpu_memory_utilization * total - peak - max(0, other)
-        else:
+        elif self.config.cpu_kv_cache_space is not None:
             budget = self.config.cpu_kv_cache_space * 2**30
+        else:
+            fill = self.config.max_num_seqs * self.max_model_len / self.block_size * self.bytes_per_block
+            budget = min(max(available_memory() / 4, 0.25 * 2**30), 4 * 2**30, fill)
         blocks = int(budget // self.bytes_per_block)
         if blocks < 1:
             raise ValueError("no memory is left for the KV cache after loading the weights; raise "
@@ -393,6 +402,22 @@ class LLMEngine:
             "num_kv_blocks": float(self.num_blocks),
             **{k: float(v) for k, v in self.stats.items()},
         }
+
+
+def available_memory() -> int:
+    """Bytes of RAM the OS could give this process now (Linux's MemAvailable; elsewhere the
+    free physical pages)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 2**30  # unknown: assume little
 
 
 def _generation_eos(path: Path) -> set[int]:
