@@ -144,6 +144,14 @@ def test_unknown_or_mistyped_engine_arguments():
     (dict(stop_token_ids=[-1]), ValueError, "stop_token_ids"),
     (dict(logprobs=-1), ValueError, "logprobs"),
     (dict(n=2), ValueError, "n=2"),
+    # each with a message naming the field, not Python's own words from deep inside the engine
+    (dict(stop=5), TypeError, "stop must be"),
+    (dict(stop_token_ids=5), TypeError, "stop_token_ids must be"),
+    (dict(seed=2**64), ValueError, "seed must be in"),
+    (dict(seed=-2**63 - 1), ValueError, "seed must be in"),
+    (dict(temperature=1e5), ValueError, "temperature must be in"),
+    (dict(logprobs=21), ValueError, "logprobs must be in"),
+    (dict(ignore_eos="yes"), TypeError, "ignore_eos"),
 ])
 def test_bad_sampling_params(kwargs, exc, match):
     with pytest.raises(exc, match=match):
