@@ -186,3 +186,20 @@ def test_longest_allowed_prompt_generates_one_token():
     llm = LLM(model="tiny", max_model_len=16)
     out = llm.generate([{"prompt_token_ids": [5] * 15}], SamplingParams(max_tokens=8), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 1 and out[0].outputs[0].finish_reason == "length"
+
+
+def test_requests_this_model_cannot_run_are_rejected_up_front(tiny_llm):
+    """Each of these passed validation and then raised deep inside (the tokenizer's TypeError, an
+    IndexError in a step); now a ValueError names the field before anything is admitted."""
+    vocab = tiny_llm.llm_engine.model_config.vocab_size
+    before = tiny_llm.get_metrics()["num_requests"]
+    for prompt, params, match in [
+        ("def f(\ud800):", SamplingParams(max_tokens=4), r"prompt 0 is not valid text: .*lone surrogate"),
+        ("def f():", SamplingParams(max_tokens=4, min_tokens=1, stop_token_ids=[vocab]), "stop_token_ids"),
+        ("def f():", SamplingParams(max_tokens=4, min_tokens=1, stop_token_ids=list(range(vocab))),
+         "whole vocabulary"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            tiny_llm.generate(prompt, params, use_tqdm=False)
+    assert tiny_llm.get_metrics()["num_requests"] == before
+    assert tiny_llm.get_metrics()["kv_cache_usage_perc"] == 0.0

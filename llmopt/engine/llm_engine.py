@@ -170,6 +170,7 @@ class LLMEngine:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError(f"{name} is empty; give at least one character or token")
+            check_text(name, prompt)
             text, ids = prompt, self.tokenizer(prompt)["input_ids"]
         elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             text, ids = prompt.get("prompt"), prompt["prompt_token_ids"]
@@ -198,6 +199,14 @@ class LLMEngine:
         otherwise wait forever, or preempt everyone and still not fit)."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"request {index}: sampling params must be a SamplingParams")
+        vocab = self.model_config.vocab_size
+        outside = [t for t in params.stop_token_ids if t >= vocab]
+        if outside:
+            raise ValueError(f"request {index}: stop_token_ids {outside[:5]} are outside the vocabulary [0, {vocab})")
+        held = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
+        if params.min_tokens and len(held) >= vocab:  # min_tokens masks them all: nothing to draw
+            raise ValueError(f"request {index}: stop_token_ids and EOS cover the whole vocabulary, so "
+                             "min_tokens leaves no token to generate")
         worst = min(self.max_model_len, len(ids) + (params.max_tokens or self.max_model_len))
         need = self.block_manager.blocks_needed(worst)
         if need > self.num_blocks:
@@ -452,6 +461,16 @@ class LLMEngine:
             "num_kv_blocks": float(self.num_blocks),
             **{k: float(v) for k, v in self.stats.items()},
         }
+
+
+def check_text(name: str, text: str) -> None:
+    """A ValueError naming `name` for text that is not Unicode a tokenizer can take: a lone
+    surrogate (from a JSON escape such as "\\ud800") has no UTF-8 encoding."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{name} is not valid text: it holds a lone surrogate "
+                         f"{text[e.start]!r} at character {e.start}") from None
 
 
 def _load_tokenizer(path):
