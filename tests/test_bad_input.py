@@ -203,3 +203,17 @@ def test_requests_this_model_cannot_run_are_rejected_up_front(tiny_llm):
             tiny_llm.generate(prompt, params, use_tqdm=False)
     assert tiny_llm.get_metrics()["num_requests"] == before
     assert tiny_llm.get_metrics()["kv_cache_usage_perc"] == 0.0
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(num_kv_blocks=10**12), r"num_kv_blocks=1,000,000,000,000 needs [\d,]+ bytes .* but [\d,]+ bytes .* of RAM"),
+    (dict(cpu_kv_cache_space=10.0**7), r"num_kv_blocks=.* needs .*cpu_kv_cache_space"),
+])
+def test_a_kv_pool_larger_than_memory_is_refused_before_it_is_built(kwargs, match):
+    """LLM(num_kv_blocks=10**12) built an object per block for half a minute and gigabytes first."""
+    import time
+
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match=match):
+        LLM(model="tiny", device="cpu", **kwargs)
+    assert time.perf_counter() - start < 30  # loading the weights, then the check: no pool built

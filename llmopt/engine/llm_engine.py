@@ -26,6 +26,7 @@ import torch
 from llmopt.config import EngineConfig
 from llmopt.engine.block_manager import BlockManager
 from llmopt.engine.kv_cache import PagedKVCache, calibration_token_ids, kv_cache_torch_dtype
+from llmopt.engine.memory import check_kv_pool_fits
 from llmopt.engine.model_runner import ModelRunner
 from llmopt.engine.scheduler import Scheduler
 from llmopt.engine.sequence import Sequence, SequenceStatus
@@ -69,6 +70,7 @@ class LLMEngine:
         if self.proposer is not None:  # a draft's KV lives in blocks of the same tables
             self.bytes_per_block += self.proposer.bytes_per_block(self.block_size)
         self.num_blocks = config.num_kv_blocks or self._blocks_from_memory_budget()
+        check_kv_pool_fits(self.num_blocks, self.bytes_per_block, self.device)
         self.block_manager = BlockManager(self.num_blocks, self.block_size, config.enable_prefix_caching)
         self.kv_cache = PagedKVCache(cfg.num_hidden_layers, self.num_blocks, self.block_size,
                                      cfg.num_key_value_heads, cfg.head_dim, self.dtype, self.device,
