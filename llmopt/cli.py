@@ -12,6 +12,8 @@ import argparse
 import json
 import sys
 
+from llmopt.server.security import Security, add_security_flags
+
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine (vLLM spelling)")
@@ -132,6 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     serve.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="seconds running requests get to finish after SIGINT/SIGTERM, then aborted")
+    add_security_flags(serve)
     add_engine_flags(serve)
 
     quant = sub.add_parser("quantize", help="quantize a model's weights (RTN, GPTQ, AWQ, FP8) into a checkpoint")
@@ -177,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
             from llmopt.server import serve
 
             return serve(engine_kwargs(args), args.host, args.port, args.served_model_name, args.threads,
-                         args.shutdown_timeout)
+                         args.shutdown_timeout, security=Security.from_args(args))
         if args.command == "quantize":
             return _quantize(args)
     except (ValueError, TypeError) as e:

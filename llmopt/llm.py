@@ -4,7 +4,8 @@ Mirrors vLLM's `LLM` so what a learner writes here runs there with the import ch
 `generate` checks every prompt and parameter first, then hands all requests to the
 engine at once and steps it until they are done: the scheduler batches them
 continuously, so the order they finish in is the engine's business, the order they are
-returned in is the caller's.
+returned in is the caller's. A call that does not return (an error, Ctrl-C in a notebook)
+takes its requests out of the engine again, so the next call starts clean.
 """
 
 from __future__ import annotations
@@ -53,6 +54,13 @@ class LLM:
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  priority: list[int] | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
+        """One output per prompt, in the prompts' order.
+
+        Bad arguments raise ValueError / TypeError before anything runs. If a request fails
+        inside the engine (a step raised for it: finish_reason "error"), this raises
+        RuntimeError chained to the cause. Whenever generate raises or is interrupted, the
+        requests it added are aborted first: the engine holds nothing of this call afterwards.
+        """
         engine = self.llm_engine
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
@@ -84,12 +92,16 @@ class LLM:
             engine.validate_request(ids, sp, i)
             checked.append((text, ids, sp))
         ids_in_order = []
-        for i, (text, ids, sp) in enumerate(checked):
-            rid = f"gen-{self._counter}"
-            self._counter += 1
-            engine._add(rid, text, ids, sp, priority=priority[i] if priority else 0)
-            ids_in_order.append(rid)
-        return self._run(ids_in_order, use_tqdm)
+        try:
+            for i, (text, ids, sp) in enumerate(checked):
+                rid = f"gen-{self._counter}"
+                self._counter += 1
+                ids_in_order.append(rid)
+                engine._add(rid, text, ids, sp, priority=priority[i] if priority else 0)
+            return self._run(ids_in_order, use_tqdm)
+        except BaseException:  # KeyboardInterrupt too: a stale request would run in every later call
+            engine.abort_request(ids_in_order)  # those already finished are gone: nothing to do
+            raise
 
     def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
              use_tqdm: bool = True, chat_template: str | None = None, add_generation_prompt: bool = True,
@@ -122,14 +134,21 @@ class LLM:
             from tqdm.auto import tqdm
 
             bar = tqdm(total=len(request_ids), desc="Processed prompts", unit="req", dynamic_ncols=True)
-        while len(done) < len(wanted) and engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished and out.request_id in wanted:
-                    done[out.request_id] = out
-                    if bar is not None:
-                        bar.update(1)
-        if bar is not None:
-            bar.close()
+        try:
+            while len(done) < len(wanted) and engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished and out.request_id in wanted:
+                        if out.outputs[0].finish_reason == "error":
+                            raise RuntimeError(
+                                f"prompt {request_ids.index(out.request_id)} failed in the engine "
+                                f"({type(out.error).__name__}: {out.error}); the other requests of this "
+                                "call were aborted, the engine is ready for the next one") from out.error
+                        done[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
         return [done[r] for r in request_ids]
 
     def get_metrics(self) -> dict[str, float]:

@@ -19,7 +19,7 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None = None
     logprobs: list[dict[int, Logprob]] | None = None
-    finish_reason: str | None = None   # "stop" | "length" | "abort"
+    finish_reason: str | None = None   # "stop" | "length" | "abort" | "error" (the engine raised)
     stop_reason: int | str | None = None  # the stop string or stop token that ended it
 
     def finished(self) -> bool:
@@ -68,3 +68,4 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    error: Exception | None = field(default=None, repr=False)  # why finish_reason is "error"

@@ -1,14 +1,28 @@
-"""How to pick each next token, per request: vLLM's `SamplingParams`, validated up front."""
+"""How to pick each next token, per request: vLLM's `SamplingParams`, validated up front.
+
+The bounds are the ones the sampler is built for (llmopt/layers/sampler.py): every value
+accepted here samples without error, so no request can make an engine step fail.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from numbers import Integral, Real
 
+# Below this a temperature is greedy, as in vLLM (its _SAMPLING_EPS): such a distribution is
+# its argmax already, and float32 turns temperatures under ~1e-45 into a division by zero.
+GREEDY_TEMPERATURE = 1e-5
+# Far inside float32, the sampler's dtype. At 1e4 every token within 10 logits of the best is
+# drawn within 0.1% as often as it: a larger value is a mistake rather than a choice.
+MAX_TEMPERATURE = 1e4
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs: the top-n list costs a sort per token
+SEED_RANGE = (-2**63, 2**64)  # what torch.Generator.manual_seed takes
+
 
 @dataclass
 class SamplingParams:
-    """`temperature=0` is greedy. `top_k` of -1 (or 0) and `top_p=1` switch those filters off.
+    """`temperature=0` is greedy (so is anything below 1e-5, as in vLLM). `top_k` of -1 (or 0)
+    and `top_p=1` switch those filters off.
 
     `min_tokens`: until that many tokens are generated, the request's stop tokens (EOS unless
     `ignore_eos`, and `stop_token_ids`) cannot be drawn, and stop strings are not checked.
@@ -37,6 +51,8 @@ class SamplingParams:
             raise ValueError(f"n={self.n}: llmopt returns one completion per request (n=1); "
                              "submit the prompt several times with different seeds instead")
         _real("temperature", self.temperature, lo=0.0)
+        if self.temperature > MAX_TEMPERATURE:
+            raise ValueError(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature}")
         _real("top_p", self.top_p)
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
@@ -48,6 +64,8 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.seed is not None:
             _int("seed", self.seed)
+            if not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]:
+                raise ValueError(f"seed must be in [-2**63, 2**64) (what torch.Generator takes), got {self.seed}")
         if self.max_tokens is not None:
             _int("max_tokens", self.max_tokens, lo=1)
         _int("min_tokens", self.min_tokens, lo=0)
@@ -55,22 +73,37 @@ class SamplingParams:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
         if self.logprobs is not None:
             _int("logprobs", self.logprobs, lo=0)
-        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+            if self.logprobs > MAX_LOGPROBS:
+                raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        stop = [self.stop] if isinstance(self.stop, str) else _list("stop", self.stop, "strings")
         if not all(isinstance(s, str) and s for s in stop):
             raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
         self._stop_list = stop
-        ids = list(self.stop_token_ids or [])
+        ids = _list("stop_token_ids", self.stop_token_ids, "token ids")
         if not all(isinstance(t, Integral) and not isinstance(t, bool) and t >= 0 for t in ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
         self.stop_token_ids = ids
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
 
     @property
     def stop_strings(self) -> list[str]:
         return self._stop_list
+
+
+def _list(name, value, what) -> list:
+    """None -> [], a list or tuple -> a list; anything else a TypeError naming the field (not
+    Python's "'int' object is not iterable")."""
+    if value is None:
+        return []
+    if not isinstance(value, (list, tuple)):
+        raise TypeError(f"{name} must be a list of {what}, got {value!r}")
+    return list(value)
 
 
 def _int(name, value, lo=None):

@@ -144,6 +144,14 @@ def test_unknown_or_mistyped_engine_arguments():
     (dict(stop_token_ids=[-1]), ValueError, "stop_token_ids"),
     (dict(logprobs=-1), ValueError, "logprobs"),
     (dict(n=2), ValueError, "n=2"),
+    # each with a message naming the field, not Python's own words from deep inside the engine
+    (dict(stop=5), TypeError, "stop must be"),
+    (dict(stop_token_ids=5), TypeError, "stop_token_ids must be"),
+    (dict(seed=2**64), ValueError, "seed must be in"),
+    (dict(seed=-2**63 - 1), ValueError, "seed must be in"),
+    (dict(temperature=1e5), ValueError, "temperature must be in"),
+    (dict(logprobs=21), ValueError, "logprobs must be in"),
+    (dict(ignore_eos="yes"), TypeError, "ignore_eos"),
 ])
 def test_bad_sampling_params(kwargs, exc, match):
     with pytest.raises(exc, match=match):
@@ -178,3 +186,34 @@ def test_longest_allowed_prompt_generates_one_token():
     llm = LLM(model="tiny", max_model_len=16)
     out = llm.generate([{"prompt_token_ids": [5] * 15}], SamplingParams(max_tokens=8), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 1 and out[0].outputs[0].finish_reason == "length"
+
+
+def test_requests_this_model_cannot_run_are_rejected_up_front(tiny_llm):
+    """Each of these passed validation and then raised deep inside (the tokenizer's TypeError, an
+    IndexError in a step); now a ValueError names the field before anything is admitted."""
+    vocab = tiny_llm.llm_engine.model_config.vocab_size
+    before = tiny_llm.get_metrics()["num_requests"]
+    for prompt, params, match in [
+        ("def f(\ud800):", SamplingParams(max_tokens=4), r"prompt 0 is not valid text: .*lone surrogate"),
+        ("def f():", SamplingParams(max_tokens=4, min_tokens=1, stop_token_ids=[vocab]), "stop_token_ids"),
+        ("def f():", SamplingParams(max_tokens=4, min_tokens=1, stop_token_ids=list(range(vocab))),
+         "whole vocabulary"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            tiny_llm.generate(prompt, params, use_tqdm=False)
+    assert tiny_llm.get_metrics()["num_requests"] == before
+    assert tiny_llm.get_metrics()["kv_cache_usage_perc"] == 0.0
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(num_kv_blocks=10**12), r"num_kv_blocks=1,000,000,000,000 needs [\d,]+ bytes .* but [\d,]+ bytes .* of RAM"),
+    (dict(cpu_kv_cache_space=10.0**7), r"num_kv_blocks=.* needs .*cpu_kv_cache_space"),
+])
+def test_a_kv_pool_larger_than_memory_is_refused_before_it_is_built(kwargs, match):
+    """LLM(num_kv_blocks=10**12) built an object per block for half a minute and gigabytes first."""
+    import time
+
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match=match):
+        LLM(model="tiny", device="cpu", **kwargs)
+    assert time.perf_counter() - start < 30  # loading the weights, then the check: no pool built

@@ -28,7 +28,7 @@ def test_allocate_grow_free_and_reuse_cached_prefix():
     hits = bm.find_cached_prefix("b", toks[:8] + [7, 7])
     assert hits == bm.block_tables["a"][:2]
     assert bm.allocate("b", 10, hits)
-    assert [bm.blocks[b].ref_cnt for b in hits] == [2, 2]
+    assert [bm.ref_cnt[b] for b in hits] == [2, 2]
     bm.check_invariants()
     bm.free("a")
     bm.free("b")
@@ -41,6 +41,39 @@ def test_allocate_grow_free_and_reuse_cached_prefix():
     assert "d" not in bm.block_tables or bm.block_tables["d"] == []
     bm.free("c")
     bm.check_invariants()
+
+
+@given(st.lists(st.tuples(st.sampled_from(["pop", "remove", "append"]), st.integers(0, 7)), max_size=60))
+@settings(max_examples=200, deadline=None)
+def test_free_queue_keeps_lru_order_like_an_ordered_dict(ops):
+    """The array-backed free queue against the OrderedDict it replaced."""
+    from collections import OrderedDict
+
+    from llmopt.engine.block_manager import FreeBlockQueue
+
+    q, ref = FreeBlockQueue(8), OrderedDict.fromkeys(range(8))
+    for op, b in ops:
+        if op == "pop" and ref:
+            assert q.popleft() == ref.popitem(last=False)[0]
+        elif op == "remove" and b in ref:
+            q.remove(b)
+            del ref[b]
+        elif op == "append" and b not in ref:
+            q.append(b)
+            ref[b] = None
+        assert list(q) == list(ref) and len(q) == len(ref)
+
+
+def test_a_million_blocks_cost_arrays_not_objects():
+    """An object per block made LLM(num_kv_blocks=...) slow and heavy long before the KV pool."""
+    import tracemalloc
+
+    tracemalloc.start()
+    bm = BlockManager(1_000_000, 16)
+    used = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert used < 32 * 1_000_000  # was 259 bytes a block
+    assert bm.num_free_blocks == 1_000_000 and bm.allocate("a", 40) and bm.block_tables["a"] == [0, 1, 2]
 
 
 def test_exact_prefix_multiple_leaves_last_block_to_compute():

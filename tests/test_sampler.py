@@ -107,3 +107,34 @@ def test_min_tokens_holds_stop_tokens_back_row_by_row():
     assert held[6, 7] and not held[6, 0]                              # EOS ignored, 7 held
     assert held.sum() == 5
     assert hold_back_stop_tokens(logits, rows[1:3], {0}) is logits    # nothing held: no copy
+
+
+# -- no accepted value can make a draw fail ----------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("temperature", [1e-38, 1e-5, 1e-3, 1.0, 1e4])
+def test_filter_logits_never_overflows(dtype, temperature):
+    """Dividing raw logits by a tiny temperature overflows (float16 at 65504, float32 at 3e38) and
+    softmax then gives NaN; with each row's max subtracted first, the best token scores 0."""
+    logits = torch.tensor([[30.0, 29.0, -10.0, float("-inf")], [-5.0, 60000.0, 0.0, 1.0]], dtype=dtype)
+    n = logits.shape[0]
+    out = filter_logits(logits, torch.full((n,), temperature), torch.tensor([2, -1]), torch.tensor([0.9, 1.0]),
+                        torch.tensor([0.0, 0.1]))
+    probs = out.softmax(-1)
+    assert torch.isfinite(probs).all() and torch.allclose(probs.sum(-1), torch.ones(n))
+    assert probs.argmax(-1).tolist() == [0, 1] and probs[0, 3] == 0
+    torch.multinomial(probs, 1)  # raises on inf, NaN or negative entries
+
+
+def test_extreme_accepted_params_sample():
+    """Every SamplingParams that validates draws a token: temperatures down to where greedy takes
+    over (below 1e-5, as in vLLM) and up to the bound, top_k beyond int64, tiny top_p."""
+    from llmopt.sampling_params import GREEDY_TEMPERATURE, MAX_TEMPERATURE
+
+    logits = LOGITS[None] * 1e3
+    cases = [dict(temperature=1e-40), dict(temperature=GREEDY_TEMPERATURE), dict(temperature=MAX_TEMPERATURE),
+             dict(top_k=2**70), dict(top_p=5e-324), dict(min_p=1.0, temperature=3.0)]
+    for kw in cases:
+        p = SamplingParams(**kw)
+        token = sample(logits, [p], [torch.Generator().manual_seed(0)])
+        assert 0 <= int(token) < LOGITS.numel(), kw
+    assert SamplingParams(temperature=1e-40).greedy and not SamplingParams(temperature=GREEDY_TEMPERATURE).greedy

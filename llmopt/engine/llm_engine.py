@@ -9,12 +9,14 @@
 flat forward, sampling) -> bookkeeping (append tokens, stop checks, free finished
 requests' blocks, cache newly full blocks). Requests can be added or aborted between
 any two steps: that is continuous batching, and the server drives it the same way.
+A step that raises fails only the requests that fail on their own (finish_reason "error");
+the engine and every other request go on.
 """
 
 from __future__ import annotations
 
 import json
-import os
+import logging
 import time
 from numbers import Integral
 from pathlib import Path
@@ -24,6 +26,7 @@ import torch
 from llmopt.config import EngineConfig
 from llmopt.engine.block_manager import BlockManager
 from llmopt.engine.kv_cache import PagedKVCache, calibration_token_ids, kv_cache_torch_dtype
+from llmopt.engine.memory import check_kv_pool_fits, host_available_bytes
 from llmopt.engine.model_runner import ModelRunner
 from llmopt.engine.scheduler import Scheduler
 from llmopt.engine.sequence import Sequence, SequenceStatus
@@ -32,6 +35,8 @@ from llmopt.model.loader import load_model, load_tokenizer
 from llmopt.model.registry import resolve_model
 from llmopt.outputs import RequestOutput
 from llmopt.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
@@ -65,6 +70,7 @@ class LLMEngine:
         if self.proposer is not None:  # a draft's KV lives in blocks of the same tables
             self.bytes_per_block += self.proposer.bytes_per_block(self.block_size)
         self.num_blocks = config.num_kv_blocks or self._blocks_from_memory_budget()
+        check_kv_pool_fits(self.num_blocks, self.bytes_per_block, self.device)
         self.block_manager = BlockManager(self.num_blocks, self.block_size, config.enable_prefix_caching)
         self.kv_cache = PagedKVCache(cfg.num_hidden_layers, self.num_blocks, self.block_size,
                                      cfg.num_key_value_heads, cfg.head_dim, self.dtype, self.device,
@@ -83,7 +89,7 @@ class LLMEngine:
         self.requests: dict[str, Sequence] = {}
         self.trace: list[dict] | None = [] if config.enable_trace else None
         self.step_count = 0
-        self.stats = {"num_requests": 0, "num_finished": 0, "num_aborted": 0,
+        self.stats = {"num_requests": 0, "num_finished": 0, "num_aborted": 0, "num_failed": 0,
                       "prompt_tokens": 0, "generation_tokens": 0}
         sc = config.speculative_config
         self.num_spec_tokens = sc["num_speculative_tokens"] if sc else 0
@@ -138,7 +144,7 @@ class LLMEngine:
             budget = self.config.cpu_kv_cache_space * 2**30
         else:
             fill = self.config.max_num_seqs * self.max_model_len / self.block_size * self.bytes_per_block
-            budget = min(max(available_memory() / 4, 0.25 * 2**30), 4 * 2**30, fill)
+            budget = min(max((host_available_bytes() or 2**30) / 4, 0.25 * 2**30), 4 * 2**30, fill)
         blocks = int(budget // self.bytes_per_block)
         if blocks < 1:
             raise ValueError("no memory is left for the KV cache after loading the weights; raise "
@@ -174,6 +180,7 @@ class LLMEngine:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError(f"{name} is empty; give at least one character or token")
+            check_text(name, prompt)
             text, ids = prompt, self.tokenizer(prompt)["input_ids"]
         elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             text, ids = prompt.get("prompt"), prompt["prompt_token_ids"]
@@ -202,6 +209,14 @@ class LLMEngine:
         otherwise wait forever, or preempt everyone and still not fit)."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"request {index}: sampling params must be a SamplingParams")
+        vocab = self.model_config.vocab_size
+        outside = [t for t in params.stop_token_ids if t >= vocab]
+        if outside:
+            raise ValueError(f"request {index}: stop_token_ids {outside[:5]} are outside the vocabulary [0, {vocab})")
+        held = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
+        if params.min_tokens and len(held) >= vocab:  # min_tokens masks them all: nothing to draw
+            raise ValueError(f"request {index}: stop_token_ids and EOS cover the whole vocabulary, so "
+                             "min_tokens leaves no token to generate")
         worst = min(self.max_model_len, len(ids) + (params.max_tokens or self.max_model_len))
         need = self.block_manager.blocks_needed(worst)
         if need > self.num_blocks:
@@ -240,14 +255,34 @@ class LLMEngine:
 
     def abort_request(self, request_id: str | list[str]) -> None:
         for rid in [request_id] if isinstance(request_id, str) else request_id:
-            seq = self.requests.pop(rid, None)
+            seq = self.requests.get(rid)
             if seq is None or seq.is_finished:
                 continue
-            self.scheduler.remove(seq)
-            if self.proposer is not None:
-                self.proposer.forget(rid)
+            self._drop(seq)
             seq._finish("abort", None)
             self.stats["num_aborted"] += 1
+
+    def fail_request(self, request_id: str, error: Exception) -> RequestOutput | None:
+        """End a request whose step raised: finish_reason "error", its blocks back in the pool,
+        the exception on its output (None: no such request in the engine)."""
+        seq = self.requests.get(request_id)
+        if seq is None:
+            return None
+        logger.warning("request %s failed in the engine", request_id, exc_info=error)
+        self._drop(seq)
+        seq.error = error
+        seq._finish("error", None)
+        seq.finalize_text(self.tokenizer)
+        self.stats["num_failed"] += 1
+        return seq.to_output()
+
+    def _drop(self, seq: Sequence) -> None:
+        """Out of the engine: off the queues, its blocks freed, the proposer's record of it gone."""
+        self.requests.pop(seq.request_id, None)
+        self.scheduler.remove(seq)
+        seq.clear_drafts()
+        if self.proposer is not None:
+            self.proposer.forget(seq.request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -258,20 +293,29 @@ class LLMEngine:
         bm.step_allocated, bm.step_freed = [], []
         hits_before = bm.prefix_hits
         if self.proposer is not None:
-            self._propose()
+            try:
+                self._propose()
+            except Exception:
+                # drafts only save forwards: this step decodes plainly instead (a request that
+                # breaks sampling itself fails below, in the target's step, on its own)
+                logger.warning("speculative proposal failed; decoding without drafts", exc_info=True)
+                for seq in self.scheduler.running:
+                    seq.clear_drafts()
         sched = self.scheduler.schedule()
         now = time.perf_counter()
         for seq, _ in sched.scheduled:
             if seq.metrics.first_scheduled_time is None:
                 seq.metrics.first_scheduled_time = now
-        sampled = self.runner.execute(sched.scheduled) if sched.scheduled else {}
-        if self.proposer is not None and sched.scheduled:
-            self.proposer.observe(self.runner)
+        sampled, errors = self._execute(sched.scheduled)
         now = time.perf_counter()
         before = {seq.request_id: (seq.num_computed_tokens, len(seq.spec_token_ids))
                   for seq, _ in sched.scheduled}
         outputs, finished, spec_results = [], [], {}
         for seq, n in sched.scheduled:
+            if seq.request_id in errors:
+                outputs.append(self.fail_request(seq.request_id, errors[seq.request_id]))
+                finished.append(seq.request_id)
+                continue
             drafts = seq.spec_token_ids
             emitted = sampled.get(seq.request_id)
             if drafts and emitted is not None:
@@ -303,10 +347,7 @@ class LLMEngine:
             # full blocks become shareable once their KV is written
             bm.cache_full_blocks(seq.request_id, seq.token_ids, seq.num_computed_tokens)
             if seq.is_finished:
-                if self.proposer is not None:
-                    self.proposer.forget(seq.request_id)
-                self.scheduler.remove(seq)
-                self.requests.pop(seq.request_id, None)
+                self._drop(seq)
                 seq.finalize_text(self.tokenizer)
                 finished.append(seq.request_id)
                 self.stats["num_finished"] += 1
@@ -316,6 +357,34 @@ class LLMEngine:
             self._record_trace(sched, before, finished, bm.prefix_hits - hits_before, spec_results)
         self.step_count += 1
         return outputs
+
+    def _execute(self, scheduled) -> tuple[dict, dict[str, Exception]]:
+        """The step's forward and sampling -> (request_id -> emitted tokens, request_id -> error).
+
+        If the batch raises, each request runs again alone (its KV slots are just written
+        again), so that only a request that fails by itself fails. A seeded request retried
+        this way may draw differently from a run without the failure: its generator may have
+        been used before the batch raised."""
+        def run(items):
+            sampled = self.runner.execute(items)
+            if self.proposer is not None:
+                self.proposer.observe(self.runner)
+            return sampled
+
+        if not scheduled:
+            return {}, {}
+        try:
+            return run(scheduled), {}
+        except Exception as e:
+            if len(scheduled) == 1:
+                return {}, {scheduled[0][0].request_id: e}
+        sampled, errors = {}, {}
+        for item in scheduled:
+            try:
+                sampled.update(run([item]))
+            except Exception as e:
+                errors[item[0].request_id] = e
+        return sampled, errors
 
     def _propose(self) -> None:
         """Drafts for every decoding sequence, capped so that a fully accepted run never
@@ -404,20 +473,14 @@ class LLMEngine:
         }
 
 
-def available_memory() -> int:
-    """Bytes of RAM the OS could give this process now (Linux's MemAvailable; elsewhere the
-    free physical pages)."""
+def check_text(name: str, text: str) -> None:
+    """A ValueError naming `name` for text that is not Unicode a tokenizer can take: a lone
+    surrogate (from a JSON escape such as "\\ud800") has no UTF-8 encoding."""
     try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return 2**30  # unknown: assume little
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{name} is not valid text: it holds a lone surrogate "
+                         f"{text[e.start]!r} at character {e.start}") from None
 
 
 def _generation_eos(path: Path) -> set[int]:

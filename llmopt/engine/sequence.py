@@ -31,6 +31,7 @@ class Sequence:
         self.generator = generator
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
+        self.error: Exception | None = None  # what a step raised (finish_reason "error")
         self.stop_reason: int | str | None = None
         self.output_text = ""
         self.cumulative_logprob = 0.0
@@ -128,4 +129,4 @@ class Sequence:
             logprobs=self.logprobs if self.params.logprobs is not None else None,
             finish_reason=self.finish_reason, stop_reason=self.stop_reason)
         return RequestOutput(self.request_id, self.prompt, list(self.prompt_token_ids), [out],
-                             self.is_finished, self.metrics, self.num_cached_tokens)
+                             self.is_finished, self.metrics, self.num_cached_tokens, self.error)

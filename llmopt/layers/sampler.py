@@ -4,6 +4,10 @@ Order, as in vLLM: divide by temperature; keep the k most likely tokens; keep th
 smallest set whose probability reaches top_p; drop tokens below min_p x the top
 probability; renormalize and draw. Each request may bring its own seeded generator,
 so its samples do not depend on what else is in the batch.
+
+No accepted parameter can make a draw fail: the division happens in float32 after each row's
+maximum is subtracted, so the best token scores 0 and every other one is <= 0 (-inf at worst,
+probability 0), never the inf - inf = NaN that a tiny temperature gives a raw division.
 """
 
 from __future__ import annotations
@@ -16,8 +20,10 @@ def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     """Rows [B, V] of logits -> filtered, temperature-scaled logits (masked to -inf).
 
     temperature > 0 per row; top_k <= 0 or >= V means off; top_p = 1 and min_p = 0 mean off.
+    The result is float32 and shifted so that each row's best token scores 0 (softmax is the same).
     """
-    logits = logits / temperature[:, None]
+    logits = logits.float()
+    logits = (logits - logits.max(-1, keepdim=True).values) / temperature.float()[:, None]
     V = logits.shape[-1]
     k = torch.where(top_k <= 0, V, top_k.clamp(max=V))
     if bool((k < V).any() or (top_p < 1).any() or (min_p > 0).any()):
@@ -40,11 +46,17 @@ def sampling_probs(logits: torch.Tensor, params) -> torch.Tensor:
     (one-hot on the argmax when greedy). Speculative decoding compares these on both sides."""
     if params.greedy:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).to(logits.dtype)
-    n, dev = logits.shape[0], logits.device
-    return filter_logits(logits, torch.full((n,), params.temperature, device=dev, dtype=logits.dtype),
-                         torch.full((n,), params.top_k, device=dev),
-                         torch.full((n,), params.top_p, device=dev, dtype=logits.dtype),
-                         torch.full((n,), params.min_p, device=dev, dtype=logits.dtype)).softmax(-1)
+    return _filter_rows(logits, [params] * logits.shape[0]).softmax(-1)
+
+
+def _filter_rows(logits: torch.Tensor, params: list) -> torch.Tensor:
+    """filter_logits with row i's knobs from params[i]. top_k is capped at the vocabulary here:
+    any larger k means "off" too, and an int beyond 2**63 would not fit the tensor."""
+    dev, V = logits.device, logits.shape[-1]
+    return filter_logits(logits, torch.tensor([p.temperature for p in params], device=dev),
+                         torch.tensor([min(p.top_k, V) for p in params], device=dev),
+                         torch.tensor([p.top_p for p in params], device=dev),
+                         torch.tensor([p.min_p for p in params], device=dev))
 
 
 def hold_back_stop_tokens(logits: torch.Tensor, rows: list[tuple[int, int, object, int]],
@@ -76,15 +88,7 @@ def sample(logits: torch.Tensor, params: list, generators: list[torch.Generator 
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if not rows:
         return out
-    dev = logits.device
-    sub = filter_logits(
-        logits[rows],
-        torch.tensor([params[i].temperature for i in rows], device=dev, dtype=logits.dtype),
-        torch.tensor([params[i].top_k for i in rows], device=dev),
-        torch.tensor([params[i].top_p for i in rows], device=dev, dtype=logits.dtype),
-        torch.tensor([params[i].min_p for i in rows], device=dev, dtype=logits.dtype),
-    )
-    probs = sub.softmax(-1)
+    probs = _filter_rows(logits[rows], [params[i] for i in rows]).softmax(-1)
     for j, i in enumerate(rows):
         out[i] = torch.multinomial(probs[j], 1, generator=generators[i])[0]
     return out

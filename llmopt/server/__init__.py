@@ -5,6 +5,7 @@
     detokenizer.py   token ids -> text deltas for streaming
     metrics.py       Prometheus metrics (`llmopt:` prefix), recorded after each engine step
     api_server.py    the FastAPI app, server-sent events, graceful shutdown
+    security.py      the API key on /v1 routes, CORS (nothing cross-origin unless allowed)
     load.py          a load generator: Poisson arrivals, streaming clients, TTFT / TPOT / throughput
 """
 

@@ -4,14 +4,15 @@
     curl http://127.0.0.1:8000/v1/completions -H "Content-Type: application/json" \\
         -d '{"model": "tiny", "prompt": "def fibonacci(n):", "max_tokens": 32, "temperature": 0}'
 
-The path of a request: the body is read (up to a size limit) and parsed field by field
-(protocol.py); the prompt is tokenized here (a chat's messages through the tokenizer's
+The path of a request: the caller is checked (security.py: API key, CORS), the body is read
+(JSON only, up to a size limit) and parsed field by field (protocol.py); the prompt is tokenized here (a chat's messages through the tokenizer's
 chat template) and checked against the engine's limits, so that a bad request gets its
 4xx before any engine work. Then it goes to the engine thread (async_engine.py), which
 admits it between two steps, and its outputs come back step by step: as server-sent
 events in OpenAI's chunk format with `"stream": true`, else as one JSON answer at the end.
-A client that disconnects aborts its request. SIGINT / SIGTERM stop admitting, let the
-requests in flight finish (up to a timeout, then abort them), and exit 0.
+A client that disconnects aborts its request; a request the engine fails on gets a 500,
+alone. SIGINT / SIGTERM stop admitting, let the requests in flight finish (up to a timeout,
+then abort them: a stream still ends with its last chunk and [DONE]), and exit 0.
 """
 
 from __future__ import annotations
@@ -32,16 +33,18 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from llmopt.chat import render_chat
 from llmopt.config import EngineConfig
-from llmopt.server.async_engine import AsyncLLM, EngineUnavailable
+from llmopt.server.async_engine import AsyncLLM, EngineUnavailable, RequestFailed
 from llmopt.server.detokenizer import IncrementalDetokenizer
 from llmopt.server.protocol import (APIError, ParsedRequest, chat_chunk, chat_response, completion_chunk,
                                     completion_response, new_id, parse_chat, parse_completion, usage,
                                     usage_chunk)
+from llmopt.server.security import Security
 
 MAX_REQUEST_BYTES = 1 << 20  # 1 MiB of JSON is far more than any prompt max_model_len allows
 
 
-def build_app(llm: AsyncLLM, max_request_bytes: int = MAX_REQUEST_BYTES) -> FastAPI:
+def build_app(llm: AsyncLLM, max_request_bytes: int = MAX_REQUEST_BYTES,
+              security: Security | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         llm.start()
@@ -50,6 +53,7 @@ def build_app(llm: AsyncLLM, max_request_bytes: int = MAX_REQUEST_BYTES) -> Fast
 
     app = FastAPI(title="llmopt", lifespan=lifespan)
     app.state.llm = llm
+    (security or Security()).apply(app)
 
     # -- errors in OpenAI's shape -------------------------------------------------------------
     @app.exception_handler(APIError)
@@ -95,6 +99,13 @@ def build_app(llm: AsyncLLM, max_request_bytes: int = MAX_REQUEST_BYTES) -> Fast
 
 # -- one request ---------------------------------------------------------------------------------
 async def _read_json(request: Request, max_bytes: int):
+    # Only JSON: a web page may POST text/plain (or a form) to any address without asking the
+    # browser's CORS preflight, but not application/json; parsing those anyway would let every
+    # site the user visits drive a server on their machine.
+    media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if media_type != "application/json":
+        raise APIError(f"the body must be JSON sent with 'Content-Type: application/json'; got "
+                       f"{media_type or 'no Content-Type'!r}", status=415, code="unsupported_media_type")
     declared = request.headers.get("content-length", "")
     too_big = APIError(f"the request body is larger than {max_bytes:,} bytes", status=413,
                        code="request_too_large")
@@ -107,8 +118,10 @@ async def _read_json(request: Request, max_bytes: int):
             raise too_big
     try:
         return json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, an integer of over 4,300 digits
         raise APIError(f"the request body is not valid JSON ({e})") from None
+    except RecursionError:
+        raise APIError("the request body nests too deeply to parse") from None
 
 
 def _tokenize(llm: AsyncLLM, req: ParsedRequest) -> tuple[str | None, list[int]]:
@@ -139,7 +152,8 @@ async def _serve_request(llm: AsyncLLM, request: Request, chat: bool, max_bytes:
         if msg.startswith("prompt"):
             param, msg = ("messages" if chat else "prompt"), msg.replace("prompt 0", "the prompt", 1)
         else:
-            param, msg = "max_tokens", msg.replace("request 0", "the request", 1)
+            param = "stop_token_ids" if "stop_token_ids" in msg else req.max_tokens_param
+            msg = msg.replace("request 0", "the request", 1)
         raise APIError(msg, param=param) from None
     if not (llm.accepting and llm.healthy):
         raise APIError("the server is shutting down or its engine has stopped; retry elsewhere",
@@ -177,6 +191,8 @@ async def _whole_answer(llm, request: Request, req: ParsedRequest, rid: str, n_p
         final = work.result()
     except EngineUnavailable as e:
         raise APIError(str(e), status=503, type="service_unavailable") from None
+    except RequestFailed as e:  # this request only: the engine serves the others on
+        raise APIError(str(e), status=500, type="internal_error") from None
     c = final.outputs[0]
     use = usage(n_prompt, len(c.token_ids))
     make = chat_response if req.is_chat else completion_response
@@ -206,6 +222,10 @@ async def _events(llm: AsyncLLM, req: ParsedRequest, rid: str, n_prompt: int, ou
                            else completion_chunk(rid, model, created, delta, reason))
     except EngineUnavailable as e:
         yield _sse(APIError(str(e), status=503, type="service_unavailable").to_dict())
+    except RequestFailed as e:  # a last chunk that says so, then the error itself
+        yield _sse(chat_chunk(rid, model, created, {}, "error") if chat
+                   else completion_chunk(rid, model, created, "", "error"))
+        yield _sse(APIError(str(e), status=500, type="internal_error").to_dict())
     except Exception as e:  # the headers are sent: the error can only travel as an event
         yield _sse(APIError(f"internal error: {type(e).__name__}: {e}", status=500, type="internal_error").to_dict())
     else:
@@ -230,13 +250,27 @@ class _EventStream(StreamingResponse):
 
 
 # -- the process ---------------------------------------------------------------------------------
-class _GracefulServer(uvicorn.Server):
-    """uvicorn, with two changes: the engine stops admitting as soon as a signal arrives, and
-    a clean shutdown exits 0 (uvicorn re-raises the signal after shutting down)."""
+# uvicorn cancels what still runs this long after the engine's own drain timeout has aborted
+# it: by then every stream has sent its last chunk, so this cut only meets a client that stalls.
+CANCEL_GRACE_S = 5.0
 
-    def __init__(self, config: uvicorn.Config, llm: AsyncLLM):
+
+class _GracefulServer(uvicorn.Server):
+    """uvicorn, with three changes: the engine stops admitting as soon as a signal arrives;
+    at the drain timeout the requests still running are aborted, so that each stream ends
+    with a last chunk (finish_reason "abort") and [DONE] rather than mid-body when uvicorn
+    cancels it; and a clean shutdown exits 0 (uvicorn re-raises the signal after shutting down)."""
+
+    def __init__(self, config: uvicorn.Config, llm: AsyncLLM, drain_timeout: float):
         super().__init__(config)
-        self.llm = llm
+        self.llm, self.drain_timeout = llm, drain_timeout
+
+    async def shutdown(self, sockets=None) -> None:
+        timer = asyncio.get_running_loop().call_later(self.drain_timeout, self.llm.abort_all)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            timer.cancel()
 
     def handle_exit(self, sig, frame) -> None:
         self.llm.accepting = False
@@ -257,7 +291,7 @@ class _GracefulServer(uvicorn.Server):
 
 def serve(engine_kwargs: dict, host: str = "127.0.0.1", port: int = 8000, served_model_name: str | None = None,
           threads: int | None = None, shutdown_timeout: float = 30.0,
-          max_request_bytes: int = MAX_REQUEST_BYTES) -> int:
+          max_request_bytes: int = MAX_REQUEST_BYTES, security: Security | None = None) -> int:
     """Load the model, serve until SIGINT / SIGTERM, return the exit status."""
     import prometheus_client
     import torch
@@ -276,7 +310,13 @@ def serve(engine_kwargs: dict, host: str = "127.0.0.1", port: int = 8000, served
     print(f"llmopt serve: model {llm.model_name!r} on {e.device} ({e.dtype}), {e.num_blocks:,} KV blocks of "
           f"{e.block_size} tokens, max_model_len {e.max_model_len}, max_num_seqs {e.config.max_num_seqs}",
           flush=True)
-    config = uvicorn.Config(build_app(llm, max_request_bytes), host=host, port=port, log_level="info",
-                            access_log=False, timeout_graceful_shutdown=shutdown_timeout)
-    _GracefulServer(config, llm).run()
+    security = security or Security()
+    if security.api_key:
+        print("llmopt serve: /v1 routes require 'Authorization: Bearer <key>'", flush=True)
+    elif host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"llmopt serve: warning: listening on {host} without --api-key: whoever reaches this port "
+              "can use the model", flush=True)
+    config = uvicorn.Config(build_app(llm, max_request_bytes, security), host=host, port=port, log_level="info",
+                            access_log=False, timeout_graceful_shutdown=shutdown_timeout + CANCEL_GRACE_S)
+    _GracefulServer(config, llm, shutdown_timeout).run()
     return 0

@@ -11,7 +11,9 @@ HTTP connections. So the engine lives in a thread of its own, which repeats:
 Each client waits on an asyncio queue; the engine thread puts outputs into it with
 `loop.call_soon_threadsafe`. Outputs are cumulative (all tokens so far), so a client that
 falls behind skips to the newest. A client that leaves (disconnect, cancel) aborts its
-request, which frees its KV blocks at the next turn of the loop.
+request, which frees its KV blocks at the next turn of the loop. No request stops the loop:
+one that makes a step raise ends with finish_reason "error" (the engine isolates it), and
+should a step raise outside that, the requests in the engine fail and the loop goes on.
 """
 
 from __future__ import annotations
@@ -29,7 +31,11 @@ from llmopt.server.metrics import ServerMetrics
 
 
 class EngineUnavailable(RuntimeError):
-    """The engine takes no new requests: it is shutting down, or a step failed."""
+    """The engine takes no new requests: it is shutting down, or its thread has died."""
+
+
+class RequestFailed(RuntimeError):
+    """The engine raised while running this request (an HTTP 500 for it alone)."""
 
 
 class AsyncLLM:
@@ -50,7 +56,7 @@ class AsyncLLM:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopping = False
         self.accepting = True
-        self.error: BaseException | None = None   # set if a step raised: the engine is dead
+        self.error: BaseException | None = None   # set if the engine thread died
         self._thread = threading.Thread(target=self._run, name="llmopt-engine", daemon=True)
 
     @property
@@ -67,8 +73,17 @@ class AsyncLLM:
     # -- the event loop's side ----------------------------------------------------------------
     def check(self, text: str | None, token_ids: list[int], params: SamplingParams) -> None:
         """The engine's own checks (prompt length, vocabulary, KV pool), run before admission;
-        they read only fixed sizes, so they are safe to call outside the engine thread."""
+        they read only fixed sizes, so they are safe to call outside the engine thread.
+
+        Unlike `LLM.generate`, which stops at max_model_len with finish_reason "length", a request
+        whose prompt and max_tokens together pass max_model_len is refused, as vLLM's server does."""
         self.engine.validate_prompt({"prompt_token_ids": token_ids, "prompt": text}, 0)
+        n, limit = len(token_ids), self.max_model_len
+        if params.max_tokens is not None and n + params.max_tokens > limit:
+            raise ValueError(f"this model's maximum context length is {limit} tokens, and the request asks "
+                             f"for {n + params.max_tokens}: {n} in the prompt and {params.max_tokens} to "
+                             f"generate ({params.max_tokens} > {limit} - {n}); lower the maximum or shorten "
+                             "the prompt")
         self.engine.validate_request(token_ids, params, 0)
 
     async def generate(self, request_id: str, text: str | None, token_ids: list[int], params: SamplingParams,
@@ -92,6 +107,9 @@ class AsyncLLM:
                     item = queue.get_nowait()  # outputs are cumulative: the newest says it all
                 if isinstance(item, BaseException):
                     raise item
+                if item.finished and item.outputs[0].finish_reason == "error":
+                    raise RequestFailed(f"the engine failed on this request: {type(item.error).__name__}: "
+                                        f"{item.error}") from item.error
                 finished = item.finished
                 yield item
         finally:
@@ -103,6 +121,11 @@ class AsyncLLM:
         with self._lock:
             self._aborts.append(request_id)
         self._wake.set()
+
+    def abort_all(self) -> None:
+        """Abort every request in flight; each client gets its output with finish_reason "abort"."""
+        for rid in list(self._streams):
+            self.abort(rid)
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Abort whatever is still queued or running, and stop the engine thread."""
@@ -140,7 +163,10 @@ class AsyncLLM:
                     self.metrics.record_engine(engine.get_metrics())
                     self._wake.wait()
                     continue
-                outputs = engine.step()
+                try:
+                    outputs = engine.step()
+                except Exception as e:
+                    outputs = self._fail_everything(e)
                 for out in outputs:
                     self._deliver(out.request_id, out)
                 self.metrics.record_outputs(outputs)
@@ -151,6 +177,20 @@ class AsyncLLM:
             for rid in list(self._streams):
                 self._deliver(rid, EngineUnavailable(f"the engine failed: {e!r}"))
             raise
+
+    def _fail_everything(self, error: Exception) -> list[RequestOutput]:
+        """A step raised outside the engine's per-request isolation (in its bookkeeping), so
+        its state is in doubt: every request in it fails, freeing every block, and the loop goes
+        on with an empty engine. A client whose request finished inside the failed step lost its
+        output with it: it gets the error too."""
+        outputs = [self.engine.fail_request(rid, error) for rid in list(self.engine.requests)]
+        with self._lock:
+            waiting = {r[0] for r in self._new}
+        failed = {out.request_id for out in outputs} | waiting
+        for rid in list(self._streams.copy()):
+            if rid not in failed:
+                self._deliver(rid, RequestFailed(f"the engine failed: {type(error).__name__}: {error}"))
+        return outputs
 
     def _abort_now(self, rid: str) -> None:
         """Abort in the engine (its blocks go back to the pool); tell a client still waiting."""

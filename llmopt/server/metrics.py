@@ -67,7 +67,7 @@ class ServerMetrics:
         for metric in (self.num_requests_running, self.num_requests_waiting, self.kv_cache_usage,
                        self.ttft, self.itl, self.e2e, self.queue_time, *self.counters.values()):
             metric.labels(model_name)
-        for reason in ("stop", "length", "abort"):
+        for reason in ("stop", "length", "abort", "error"):
             self.request_success.labels(model_name, reason)
         self._totals: dict[str, float] = {}
         self._tokens_seen: dict[str, int] = {}  # request id -> tokens already observed
@@ -110,7 +110,7 @@ class ServerMetrics:
     def finished(self, rid: str, reason: str | None, m) -> None:
         self._tokens_seen.pop(rid, None)
         self.request_success.labels(self.model_name, reason or "abort").inc()
-        if reason != "abort" and m.finished_time is not None:
+        if reason not in ("abort", "error") and m.finished_time is not None:
             self.e2e.labels(self.model_name).observe(m.finished_time - m.arrival_time)
 
     def render(self) -> bytes:

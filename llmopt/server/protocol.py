@@ -8,7 +8,8 @@ or an `APIError` that names the offending field in OpenAI's error JSON:
 The fields are OpenAI's (`max_tokens`, `temperature`, `top_p`, `stop`, `seed`, `stream`,
 `stream_options`), plus the sampling extras vLLM's server takes (`top_k`, `min_p`,
 `min_tokens`, `ignore_eos`, `stop_token_ids`, `priority`). An unknown field is an error, as
-on OpenAI's API: a typo such as `max_token` must not be silently ignored.
+on OpenAI's API: a typo such as `max_token` must not be silently ignored. Every bound here
+is one the engine can serve, so a request that parses never fails inside the engine.
 """
 
 from __future__ import annotations
@@ -18,7 +19,11 @@ import uuid
 from dataclasses import dataclass
 from numbers import Integral, Real
 
-from llmopt.sampling_params import SamplingParams
+from llmopt.engine.llm_engine import check_text
+from llmopt.sampling_params import MAX_TEMPERATURE, SamplingParams
+
+MAX_STOP = 4          # stop strings per request, as OpenAI allows
+MAX_STOP_CHARS = 64   # a stream holds back len(stop) - 1 characters until it knows they are no stop
 
 
 class APIError(Exception):
@@ -27,11 +32,17 @@ class APIError(Exception):
     def __init__(self, message: str, status: int = 400, param: str | None = None,
                  type: str = "invalid_request_error", code: str | None = None):
         super().__init__(message)
+        # a lone surrogate echoed from the request (say, an unknown field's name) has no UTF-8
+        message, param = (_printable(v) for v in (message, param))
         self.message, self.status, self.param, self.type, self.code = message, status, param, type, code
 
     def to_dict(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
                           "code": self.code}}
+
+
+def _printable(text: str | None) -> str | None:
+    return None if text is None else text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 @dataclass
@@ -43,6 +54,7 @@ class ParsedRequest:
     stream: bool
     include_usage: bool
     priority: int
+    max_tokens_param: str = "max_tokens"  # chat may say max_completion_tokens
 
     @property
     def is_chat(self) -> bool:
@@ -76,6 +88,14 @@ def _get(body: dict, name: str, check, allowed: str, default=None):
     if not check(value):
         raise APIError(f"'{name}' must be {allowed}; got {value!r}", param=name)
     return value
+
+
+def _check_text(name: str, text: str) -> None:
+    """Text a tokenizer can take (no lone surrogates), or a 400 naming the field."""
+    try:
+        check_text(f"'{name}'", text)
+    except ValueError as e:
+        raise APIError(str(e), param=name) from None
 
 
 def _not_supported(body: dict, name: str, neutral, what: str) -> None:
@@ -116,9 +136,10 @@ def _sampling(body: dict, max_tokens_field: str = "max_tokens", default_max_toke
     max_tokens = _get(body, max_tokens_field, _is_int, "an integer >= 1", default_max_tokens)
     if max_tokens is not None and max_tokens < 1:
         raise APIError(f"'{max_tokens_field}' must be >= 1; got {max_tokens}", param=max_tokens_field)
-    temperature = _get(body, "temperature", _is_number, "a number >= 0", 1.0)
-    if not 0.0 <= temperature < float("inf"):
-        raise APIError(f"'temperature' must be >= 0 (0 is greedy); got {temperature}", param="temperature")
+    temperature = _get(body, "temperature", _is_number, f"a number in [0, {MAX_TEMPERATURE:g}]", 1.0)
+    if not 0.0 <= temperature <= MAX_TEMPERATURE:
+        raise APIError(f"'temperature' must be in [0, {MAX_TEMPERATURE:g}] (0 is greedy); got {temperature}",
+                       param="temperature")
     top_p = _get(body, "top_p", _is_number, "a number in (0, 1]", 1.0)
     if not 0.0 < top_p <= 1.0:
         raise APIError(f"'top_p' must be in (0, 1]; got {top_p}", param="top_p")
@@ -132,8 +153,11 @@ def _sampling(body: dict, max_tokens_field: str = "max_tokens", default_max_toke
     stop = _get(body, "stop", lambda v: isinstance(v, str) or (
         isinstance(v, list) and all(isinstance(s, str) for s in v)), "a string or a list of strings")
     stops = [stop] if isinstance(stop, str) else stop or []
-    if "" in stops or len(stops) > 4:
-        raise APIError("'stop' must be up to 4 non-empty strings", param="stop")
+    if len(stops) > MAX_STOP or not all(0 < len(s) <= MAX_STOP_CHARS for s in stops):
+        raise APIError(f"'stop' must be up to {MAX_STOP} non-empty strings of at most {MAX_STOP_CHARS} "
+                       "characters", param="stop")
+    for s in stops:
+        _check_text("stop", s)
     stop_token_ids = _get(body, "stop_token_ids", lambda v: isinstance(v, list) and all(
         _is_int(t) and t >= 0 for t in v), "a list of non-negative integers")
     min_tokens = _get(body, "min_tokens", _is_int, "an integer >= 0", 0)
@@ -156,11 +180,14 @@ def _sampling(body: dict, max_tokens_field: str = "max_tokens", default_max_toke
             raise APIError("'stream_options.include_usage' must be true or false", param="stream_options")
     priority = _get(body, "priority", _is_int, "an integer (lower is served first)", 0)
     _get(body, "user", lambda v: isinstance(v, str), "a string")
-    params = SamplingParams(temperature=float(temperature), top_p=float(top_p), top_k=top_k, min_p=float(min_p),
-                            seed=seed, max_tokens=max_tokens, min_tokens=min_tokens, stop=stop,
-                            stop_token_ids=stop_token_ids, ignore_eos=flags["ignore_eos"],
-                            skip_special_tokens=flags["skip_special_tokens"],
-                            include_stop_str_in_output=flags["include_stop_str_in_output"])
+    try:  # checked above field by field; this only backs that up: a 400, never a 500
+        params = SamplingParams(temperature=float(temperature), top_p=float(top_p), top_k=top_k,
+                                min_p=float(min_p), seed=seed, max_tokens=max_tokens, min_tokens=min_tokens,
+                                stop=stop, stop_token_ids=stop_token_ids, ignore_eos=flags["ignore_eos"],
+                                skip_special_tokens=flags["skip_special_tokens"],
+                                include_stop_str_in_output=flags["include_stop_str_in_output"])
+    except (ValueError, TypeError) as e:
+        raise APIError(str(e)) from None
     return params, flags["stream"], include_usage, priority
 
 
@@ -184,6 +211,7 @@ def parse_completion(body, served_model: str) -> ParsedRequest:
     if isinstance(prompt, str):
         if not prompt:
             raise APIError("'prompt' is empty; give at least one character", param="prompt")
+        _check_text("prompt", prompt)
     elif not (isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt)):
         raise APIError(f"'prompt' must be a non-empty string or a non-empty list of token ids; got "
                        f"{type(prompt).__name__}", param="prompt")
@@ -219,13 +247,14 @@ def parse_chat(body, served_model: str) -> ParsedRequest:
         if not isinstance(content, str):
             raise APIError(f"'{where}.content' must be a string; got {type(content).__name__}",
                            param=f"{where}.content")
+        _check_text(f"{where}.content", content)
         plain.append({"role": "system" if role == "developer" else role, "content": content})
     if "max_tokens" in body and "max_completion_tokens" in body:
         raise APIError("give 'max_completion_tokens' or 'max_tokens', not both", param="max_tokens")
     field = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
     # As in vLLM: without a limit a chat reply may run to the end of the context.
     params, stream, include_usage, priority = _sampling(body, field, default_max_tokens=None)
-    return ParsedRequest(model, None, plain, params, stream, include_usage, priority)
+    return ParsedRequest(model, None, plain, params, stream, include_usage, priority, field)
 
 
 # -- responses ---------------------------------------------------------------------------------------

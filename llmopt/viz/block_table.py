@@ -25,8 +25,8 @@ FREE_COLOR, CACHED_COLOR, SHARED_COLOR = "#e8e8e8", "#fbe7a1", "#222222"
 def pool_state(block_manager) -> dict:
     """A snapshot of the pool the trace does not hold: each block's ref count, the blocks
     whose contents are registered in the prefix cache, and the free queue in eviction order."""
-    return {"ref_cnt": [b.ref_cnt for b in block_manager.blocks],
-            "cached": sorted(b.block_id for b in block_manager.blocks if b.block_hash is not None),
+    return {"ref_cnt": list(block_manager.ref_cnt),
+            "cached": [b for b, h in enumerate(block_manager.block_hash) if h is not None],
             "free_queue": list(block_manager.free_queue)}
 
 
