@@ -135,3 +135,19 @@ def test_leviathan_formula():
     assert alpha_from_length(1.75, 2) == pytest.approx(0.5, abs=1e-6)
     assert predicted_speedup(0.5, 2, c=0.25) == pytest.approx(1.75 / 1.5)
     assert predicted_speedup(0.5, 2, c=0.0, verify=1.75) == pytest.approx(1.0)
+
+
+def test_smollm2_benchmark_script_runs_side_by_side(tmp_path):
+    """benchmarks/smollm2.py at toy sizes: both systems run the same requests, the greedy
+    tokens agree in float32, and the table carries the ratio and where the time goes."""
+    spec = importlib.util.spec_from_file_location("bench_smollm2", ROOT / "benchmarks" / "smollm2.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert script.main(["--dtypes", "float32", "--num-requests", "3", "--prompt-len", "8", "24",
+                        "--output-len", "2", "6", "--reps", "1", "--profile-steps", "1",
+                        "--skip-one-at-a-time", "--out-dir", str(tmp_path)]) == 0
+    md = (tmp_path / "smollm2.md").read_text()
+    assert "engine / transformers' static batching" in md and len(tables(md)) == 2
+    raw = json.loads((tmp_path / "smollm2.json").read_text())["float32"]
+    assert raw["hf_identical_to_engine"] == 3 and raw["engine_num_preemptions"] == 0
+    assert raw["phases"]["decode_steps"] > 0 and raw["profile"]["ops"]
