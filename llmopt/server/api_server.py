@@ -34,6 +34,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from llmopt.config import EngineConfig
 from llmopt.server.async_engine import AsyncLLM, EngineUnavailable, RequestFailed
 from llmopt.server.detokenizer import IncrementalDetokenizer
+from llmopt.server.openapi import request_body, request_schemas
 from llmopt.server.protocol import (APIError, ParsedRequest, chat_chunk, chat_response, completion_chunk,
                                     completion_response, new_id, parse_chat, parse_completion, usage,
                                     usage_chunk)
@@ -85,11 +86,14 @@ def build_app(llm: AsyncLLM, max_request_bytes: int = MAX_REQUEST_BYTES,
     async def metrics():
         return Response(llm.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.post("/v1/completions")
+    bodies = request_schemas(llm.model_name, llm.max_model_len, llm.engine.model_config.vocab_size,
+                             llm.engine.config.scheduling_policy == "priority")
+
+    @app.post("/v1/completions", openapi_extra=request_body(bodies["/v1/completions"]))
     async def completions(request: Request):
         return await _serve_request(llm, request, chat=False, max_bytes=max_request_bytes)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=request_body(bodies["/v1/chat/completions"]))
     async def chat_completions(request: Request):
         return await _serve_request(llm, request, chat=True, max_bytes=max_request_bytes)
 
