@@ -5,9 +5,9 @@
         -d '{"model": "tiny", "prompt": "def fibonacci(n):", "max_tokens": 32, "temperature": 0}'
 
 The path of a request: the caller is checked (security.py: API key, CORS), the body is read
-(JSON only, up to a size limit) and parsed field by field (protocol.py); the prompt is tokenized here (a chat's messages through the tokenizer's
-chat template) and checked against the engine's limits, so that a bad request gets its
-4xx before any engine work. Then it goes to the engine thread (async_engine.py), which
+(JSON only, up to a size limit) and parsed field by field (protocol.py); the prompt is
+tokenized here (a chat's messages through the tokenizer's chat template) and checked against
+the engine's limits, so that a bad request gets its 4xx before any engine work. Then it goes to the engine thread (async_engine.py), which
 admits it between two steps, and its outputs come back step by step: as server-sent
 events in OpenAI's chunk format with `"stream": true`, else as one JSON answer at the end.
 A client that disconnects aborts its request; a request the engine fails on gets a 500,
