@@ -12,6 +12,7 @@ import pytest
 from llmopt import LLM, SamplingParams
 from llmopt.engine import model_runner
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
 POISON = SamplingParams(temperature=1.0, seed=13, max_tokens=8)  # seed 13 marks the request to break
 PROMPTS = ["def fibonacci(n):", "class Stack:", "import os\n"]

@@ -24,6 +24,7 @@ from llmopt.server import AsyncLLM, build_app
 from llmopt.server.process import ServerProcess, free_port
 from test_server import wait_idle
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 PROMPT = "def fibonacci(n):"
 
 

@@ -1,6 +1,7 @@
 """An OpenAI-compatible HTTP server on the engine: `llmopt serve`.
 
     protocol.py      OpenAI's request fields, checked one by one; responses and stream chunks
+    openapi.py       the same requests as JSON Schema, served in /openapi.json
     async_engine.py  the engine loop in a background thread, one asyncio queue per client
     detokenizer.py   token ids -> text deltas for streaming
     metrics.py       Prometheus metrics (`llmopt:` prefix), recorded after each engine step

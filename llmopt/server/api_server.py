@@ -5,9 +5,9 @@
         -d '{"model": "tiny", "prompt": "def fibonacci(n):", "max_tokens": 32, "temperature": 0}'
 
 The path of a request: the caller is checked (security.py: API key, CORS), the body is read
-(JSON only, up to a size limit) and parsed field by field (protocol.py); the prompt is tokenized here (a chat's messages through the tokenizer's
-chat template) and checked against the engine's limits, so that a bad request gets its
-4xx before any engine work. Then it goes to the engine thread (async_engine.py), which
+(JSON only, up to a size limit) and parsed field by field (protocol.py); the prompt is
+tokenized here (a chat's messages through the tokenizer's chat template) and checked against
+the engine's limits, so that a bad request gets its 4xx before any engine work. Then it goes to the engine thread (async_engine.py), which
 admits it between two steps, and its outputs come back step by step: as server-sent
 events in OpenAI's chunk format with `"stream": true`, else as one JSON answer at the end.
 A client that disconnects aborts its request; a request the engine fails on gets a 500,
@@ -35,6 +35,7 @@ from llmopt.chat import render_chat
 from llmopt.config import EngineConfig
 from llmopt.server.async_engine import AsyncLLM, EngineUnavailable, RequestFailed
 from llmopt.server.detokenizer import IncrementalDetokenizer
+from llmopt.server.openapi import request_body, request_schemas
 from llmopt.server.protocol import (APIError, ParsedRequest, chat_chunk, chat_response, completion_chunk,
                                     completion_response, new_id, parse_chat, parse_completion, usage,
                                     usage_chunk)
@@ -86,11 +87,14 @@ def build_app(llm: AsyncLLM, max_request_bytes: int = MAX_REQUEST_BYTES,
     async def metrics():
         return Response(llm.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.post("/v1/completions")
+    bodies = request_schemas(llm.model_name, llm.max_model_len, llm.engine.model_config.vocab_size,
+                             llm.engine.config.scheduling_policy == "priority")
+
+    @app.post("/v1/completions", openapi_extra=request_body(bodies["/v1/completions"]))
     async def completions(request: Request):
         return await _serve_request(llm, request, chat=False, max_bytes=max_request_bytes)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=request_body(bodies["/v1/chat/completions"]))
     async def chat_completions(request: Request):
         return await _serve_request(llm, request, chat=True, max_bytes=max_request_bytes)
 

@@ -185,10 +185,10 @@ class AsyncLLM:
         output with it: it gets the error too."""
         outputs = [self.engine.fail_request(rid, error) for rid in list(self.engine.requests)]
         with self._lock:
-            waiting = {r[0] for r in self._new}
-        failed = {out.request_id for out in outputs} | waiting
+            not_admitted = {r[0] for r in self._new}
+        told = {out.request_id for out in outputs}
         for rid in list(self._streams.copy()):
-            if rid not in failed:
+            if rid not in told and rid not in not_admitted:
                 self._deliver(rid, RequestFailed(f"the engine failed: {type(error).__name__}: {error}"))
         return outputs
 

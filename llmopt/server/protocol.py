@@ -99,8 +99,10 @@ def _check_text(name: str, text: str) -> None:
 
 
 def _not_supported(body: dict, name: str, neutral, what: str) -> None:
-    """Fields clients send at their neutral value: accepted there, refused anywhere else."""
-    if body.get(name) not in (None, neutral):
+    """Fields clients send at their neutral value: accepted there, refused anywhere else
+    (`false` is not 0, nor `0` false, though Python's == says so)."""
+    value = body.get(name)
+    if value is not None and not (value == neutral and isinstance(value, bool) == isinstance(neutral, bool)):
         raise APIError(f"'{name}' is not supported by this server ({what}); leave it out "
                        f"or set it to {neutral!r}", param=name)
 
