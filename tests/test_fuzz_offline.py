@@ -26,10 +26,12 @@ anything = st.one_of(st.none(), st.booleans(), st.text(max_size=3), st.lists(st.
 texts = st.text(st.one_of(st.characters(), st.characters(categories=["Cs"])), max_size=6)  # lone surrogates too
 token_ids = st.lists(st.integers(-3, 4100), max_size=4)
 
-# values inside every bound, its edges included: these must all be served
+# values inside every bound, its edges included: these must all be served. Near 0 a float32 holds
+# less than a float64 (1e-40 is subnormal, 1e-46 rounds to 0): the values there are listed
+TINY = st.sampled_from([5e-324, 1e-46, 1e-40, 1e-38, 1e-30, 9.99e-6])
 IN_BOUNDS = st.fixed_dictionaries({}, optional={
-    "temperature": st.one_of(st.just(0.0), st.floats(0, 1e-30), st.floats(1e-5, 2), st.floats(2, 1e4)),
-    "top_p": st.one_of(st.just(1.0), st.floats(0, 1, exclude_min=True)),
+    "temperature": st.one_of(st.just(0.0), TINY, st.floats(0, 1e-30), st.floats(1e-5, 2), st.floats(2, 1e4)),
+    "top_p": st.one_of(st.just(1.0), TINY, st.floats(0, 1, exclude_min=True)),
     "top_k": st.one_of(st.integers(-1, 5), st.integers(-1, 2**70)),
     "min_p": st.floats(0, 1),
     "seed": st.one_of(st.none(), st.integers(-2**63, 2**64 - 1)),
