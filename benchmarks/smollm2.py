@@ -61,7 +61,9 @@ def engine_phases(llm, requests) -> dict:
 
 
 def bench_dtype(dtype: str, args) -> tuple[str, dict]:
-    llm = LLM(model="smollm2", dtype=dtype, max_num_seqs=args.max_num_seqs)
+    # prefix caching off: the same requests run several times, and a warm cache would let every
+    # run after the first skip its prompts (transformers recomputes them each time)
+    llm = LLM(model="smollm2", dtype=dtype, max_num_seqs=args.max_num_seqs, enable_prefix_caching=False)
     requests = make_requests(heldout_tokens(llm.tokenizer), args.num_requests, tuple(args.prompt_len),
                              tuple(args.output_len), args.seed)
     asked = sum(r.max_tokens for r in requests)
