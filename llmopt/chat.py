@@ -13,27 +13,39 @@ from __future__ import annotations
 CHAT_ROLES = ("system", "developer", "user", "assistant")
 
 
-def check_messages(messages, where: str = "messages") -> list[dict]:
-    """One conversation -> [{"role", "content"}] with text content, or a ValueError naming the
+class MessageError(ValueError):
+    """A bad message; `field` names it as OpenAI's errors do (e.g. "messages[0].role")."""
+
+    def __init__(self, message: str, field: str):
+        super().__init__(message)
+        self.field = field
+
+
+def check_messages(messages, where: str = "messages", check_text=None) -> list[dict]:
+    """One conversation -> [{"role", "content"}] with text content, or a MessageError naming the
     message at fault. OpenAI's content parts ([{"type": "text", "text": ...}]) are joined;
-    the "developer" role is the newer name of "system"."""
+    the "developer" role is the newer name of "system". `check_text(field, text)` may refuse
+    a content string (the server refuses lone surrogates there)."""
     if not isinstance(messages, (list, tuple)) or not messages:
-        raise ValueError(f"{where} must be a non-empty list of {{'role': ..., 'content': ...}} dicts")
+        raise MessageError(f"{where} must be a non-empty list of {{'role': ..., 'content': ...}} dicts", where)
     plain = []
     for i, m in enumerate(messages):
         at = f"{where}[{i}]"
         if not isinstance(m, dict):
-            raise ValueError(f"{at} must be a dict with 'role' and 'content', got {type(m).__name__}")
+            raise MessageError(f"{at} must be a dict with 'role' and 'content', got {type(m).__name__}", at)
         role, content = m.get("role"), m.get("content")
         if role not in CHAT_ROLES:
-            raise ValueError(f"{at}['role'] must be one of {', '.join(CHAT_ROLES)}; got {role!r}")
+            raise MessageError(f"{at}['role'] must be one of {', '.join(CHAT_ROLES)}; got {role!r}", f"{at}.role")
         if isinstance(content, (list, tuple)):
             if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
                        for p in content):
-                raise ValueError(f"{at}['content'] parts must be {{'type': 'text', 'text': ...}}")
+                raise MessageError(f"{at}['content'] parts must be {{'type': 'text', 'text': ...}}",
+                                   f"{at}.content")
             content = "".join(p["text"] for p in content)
         if not isinstance(content, str):
-            raise ValueError(f"{at}['content'] must be a string; got {type(content).__name__}")
+            raise MessageError(f"{at}['content'] must be a string; got {type(content).__name__}", f"{at}.content")
+        if check_text is not None:
+            check_text(f"{at}.content", content)
         plain.append({"role": "system" if role == "developer" else role, "content": content})
     return plain
 

@@ -46,7 +46,7 @@ class EngineConfig:
     # VLLM_CPU_KVCACHE_SPACE environment variable), and an opt-in per-step trace.
     # GiB of RAM for the KV block pool on CPU; None: the LLMOPT_CPU_KVCACHE_SPACE or
     # VLLM_CPU_KVCACHE_SPACE environment variable, else sized from free memory (see
-    # LLMEngine._blocks_from_memory_budget)
+    # llmopt.engine.memory.kv_blocks_from_budget)
     cpu_kv_cache_space: float | None = None
     enable_trace: bool = False
 

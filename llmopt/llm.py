@@ -112,6 +112,7 @@ class LLM:
         rendered by the model's chat template (or `chat_template`), then generated like any
         prompt, all of them batched together."""
         from llmopt.chat import check_messages, render_chat
+        from llmopt.engine.request_checks import check_text
 
         if not isinstance(messages, (list, tuple)) or not messages:
             raise ValueError("messages must be a conversation (a non-empty list of {'role', 'content'} "
@@ -120,7 +121,7 @@ class LLM:
         conversations = list(messages) if batched else [messages]
         prompts = []
         for i, conversation in enumerate(conversations):
-            checked = check_messages(conversation, f"messages[{i}]" if batched else "messages")
+            checked = check_messages(conversation, f"messages[{i}]" if batched else "messages", check_text)
             text, ids = render_chat(self.tokenizer, checked, add_generation_prompt, continue_final_message,
                                     chat_template, chat_template_kwargs)
             prompts.append({"prompt": text, "prompt_token_ids": ids})

@@ -281,7 +281,7 @@ class PagedKVCache(KVCache):
             gather = (slots[:, None, :] * num_kv_heads + heads[None, :, None]).flatten()
             mask = torch.zeros(len(rows), 1, 1, L, dtype=self.dtype, device=dev).masked_fill_(
                 ~valid[:, None, None, :], float("-inf"))
-            self._decode_groups.append((starts[index], gather, mask, L))
+            self._decode_groups.append((starts[index], gather, mask, lens, L))
         # Prompts and prompt chunks: where their queries sit, and (after cached context) which
         # blocks hold their keys. Worked out once per step, not once per layer.
         self._prefills = []
@@ -315,14 +315,13 @@ class PagedKVCache(KVCache):
     def _attend_torch(self, q, k, v, K, V, k_scale, v_scale, scale, window):
         out = torch.empty_like(q)
         num_kv_heads, head_dim = K.shape[2], K.shape[3]
-        for tokens, gather, mask, L in self._decode_groups:
+        for tokens, gather, mask, lens, L in self._decode_groups:
             # gather each group's keys and values into a padded [B, Hkv, L, D] batch
             # (index_select is the fastest gather torch has on CPU), then one SDPA call
             B = tokens.shape[0]
             kg = self._read(K.view(-1, head_dim), gather, k_scale).view(B, num_kv_heads, L, head_dim)
             vg = self._read(V.view(-1, head_dim), gather, v_scale).view(B, num_kv_heads, L, head_dim)
             if window is not None:  # sliding window: only the last `window` keys of each sequence
-                lens = (mask[:, 0, 0] == 0).sum(-1)
                 pos = torch.arange(L, device=q.device)
                 mask = mask.masked_fill((pos[None, :] < lens[:, None] - window)[:, None, None, :],
                                         float("-inf"))

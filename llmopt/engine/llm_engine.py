@@ -26,10 +26,11 @@ import torch
 from llmopt.config import EngineConfig
 from llmopt.engine.block_manager import BlockManager
 from llmopt.engine.kv_cache import PagedKVCache, calibration_token_ids, kv_cache_torch_dtype
-from llmopt.engine.memory import check_kv_pool_fits, host_available_bytes
+from llmopt.engine.memory import check_kv_pool_fits, kv_blocks_from_budget
 from llmopt.engine.model_runner import ModelRunner
+from llmopt.engine.request_checks import check_prompt, check_request
 from llmopt.engine.scheduler import Scheduler
-from llmopt.engine.sequence import Sequence, SequenceStatus
+from llmopt.engine.sequence import Sequence
 from llmopt.model.config import ModelConfig
 from llmopt.model.loader import load_model, load_tokenizer
 from llmopt.model.registry import resolve_model
@@ -69,7 +70,8 @@ class LLMEngine:
             self.kv_cache_dtype)
         if self.proposer is not None:  # a draft's KV lives in blocks of the same tables
             self.bytes_per_block += self.proposer.bytes_per_block(self.block_size)
-        self.num_blocks = config.num_kv_blocks or self._blocks_from_memory_budget()
+        self.num_blocks = config.num_kv_blocks or kv_blocks_from_budget(
+            config, self.model, self.device, self.max_model_len, self.bytes_per_block)
         check_kv_pool_fits(self.num_blocks, self.bytes_per_block, self.device)
         self.block_manager = BlockManager(self.num_blocks, self.block_size, config.enable_prefix_caching)
         self.kv_cache = PagedKVCache(cfg.num_hidden_layers, self.num_blocks, self.block_size,
@@ -122,112 +124,14 @@ class LLMEngine:
                              f"{self.model_config.vocab_size}; a draft must share the target's tokenizer")
         return DraftModelProposer(load_model(path, self.dtype, self.device), self.dtype, self.device)
 
-    def _blocks_from_memory_budget(self) -> int:
-        """What is left of the budget after the weights, in blocks (vLLM's profiling, simplified).
-
-        CUDA: `gpu_memory_utilization` x device memory, minus the peak torch memory of a
-        profile forward (weights + the largest step's activations) and minus what lives
-        outside torch (the CUDA context, other processes). CPU: `cpu_kv_cache_space` GiB (vLLM reads
-        VLLM_CPU_KVCACHE_SPACE) when given; else sized here, since a CPU's RAM is shared with
-        everything else (the notebook, a reference model, the OS): a quarter of the memory
-        available once the weights are loaded, at least 0.25 GiB and at most 4 GiB, and never
-        more than the running batch can fill (max_num_seqs sequences of max_model_len tokens).
-        4 GiB holds 93K tokens of SmolLM2-135M in float32, more than a few CPU cores get through
-        in minutes of decoding; a quarter leaves Binder's 2 GiB machines room for the rest.
-        """
-        if self.device.type == "cuda":
-            peak = self._profile_peak_memory()
-            free, total = torch.cuda.mem_get_info(self.device)
-            other = total - free - torch.cuda.memory_reserved(self.device)  # other processes, CUDA context
-            budget = self.config.gpu_memory_utilization * total - peak - max(0, other)
-        elif self.config.cpu_kv_cache_space is not None:
-            budget = self.config.cpu_kv_cache_space * 2**30
-        else:
-            fill = self.config.max_num_seqs * self.max_model_len / self.block_size * self.bytes_per_block
-            budget = min(max((host_available_bytes() or 2**30) / 4, 0.25 * 2**30), 4 * 2**30, fill)
-        blocks = int(budget // self.bytes_per_block)
-        if blocks < 1:
-            raise ValueError("no memory is left for the KV cache after loading the weights; raise "
-                             "gpu_memory_utilization / cpu_kv_cache_space or set num_kv_blocks")
-        return blocks
-
-    @torch.inference_mode()
-    def _profile_peak_memory(self) -> int:
-        """Peak bytes torch needs for the weights plus the largest step's activations: run one
-        dummy forward of `max_num_batched_tokens` tokens, as vLLM's profile run does."""
-        from llmopt.engine.kv_cache import NoKVCache
-
-        torch.cuda.reset_peak_memory_stats(self.device)
-        n = self.config.max_num_batched_tokens
-        lens = [min(n, self.max_model_len - 1)] * (n // (self.max_model_len - 1))
-        lens += [n - sum(lens)] if n - sum(lens) > 0 else []
-        cache = NoKVCache()
-        cache.begin_step(lens)
-        ids = torch.zeros(n, dtype=torch.long, device=self.device)
-        positions = torch.cat([torch.arange(k, device=self.device) for k in lens])
-        hidden = self.model(ids, positions, cache)
-        self.model.compute_logits(hidden[-self.config.max_num_seqs:])
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device)
-        del hidden
-        torch.cuda.empty_cache()
-        return peak
-
     # -- requests ------------------------------------------------------------------------------
     def validate_prompt(self, prompt, index: int | str = 0) -> tuple[str | None, list[int]]:
         """A prompt (text, or {'prompt_token_ids': [...]}) -> (text, token ids); ValueError if bad."""
-        name = f"prompt {index}"
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError(f"{name} is empty; give at least one character or token")
-            check_text(name, prompt)
-            text, ids = prompt, self.tokenizer(prompt)["input_ids"]
-        elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            text, ids = prompt.get("prompt"), prompt["prompt_token_ids"]
-            if not isinstance(ids, (list, tuple)) or not all(
-                    isinstance(t, Integral) and not isinstance(t, bool) for t in ids):
-                raise ValueError(f"{name}: prompt_token_ids must be a list of integers")
-            ids = [int(t) for t in ids]
-        elif isinstance(prompt, dict) and "prompt" in prompt:
-            return self.validate_prompt(prompt["prompt"], index)
-        else:
-            raise ValueError(f"{name} must be a string or a dict with 'prompt' or "
-                             f"'prompt_token_ids'; got {type(prompt).__name__}")
-        if not ids:
-            raise ValueError(f"{name} has no tokens; give at least one")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"{name}: token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"{name} has {len(ids)} tokens; max_model_len is {self.max_model_len}, "
-                             f"so a prompt may have at most {self.max_model_len - 1}")
-        return text, ids
+        return check_prompt(self, prompt, index)
 
     def validate_request(self, ids: list[int], params: SamplingParams, index: int | str = 0) -> None:
-        """Reject a request whose worst case could never fit in the block pool (it would
-        otherwise wait forever, or preempt everyone and still not fit)."""
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"request {index}: sampling params must be a SamplingParams")
-        vocab = self.model_config.vocab_size
-        outside = [t for t in params.stop_token_ids if t >= vocab]
-        if outside:
-            raise ValueError(f"request {index}: stop_token_ids {outside[:5]} are outside the vocabulary [0, {vocab})")
-        held = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
-        if params.min_tokens and len(held) >= vocab:  # min_tokens masks them all: nothing to draw
-            raise ValueError(f"request {index}: stop_token_ids and EOS cover the whole vocabulary, so "
-                             "min_tokens leaves no token to generate")
-        worst = min(self.max_model_len, len(ids) + (params.max_tokens or self.max_model_len))
-        need = self.block_manager.blocks_needed(worst)
-        if need > self.num_blocks:
-            raise ValueError(f"request {index} may need {worst} tokens = {need} KV blocks, but the pool "
-                             f"has {self.num_blocks}; lower max_tokens or raise num_kv_blocks")
-        # Without chunked prefill a prompt (or a preempted request's recompute of prompt +
-        # output) must fit in one step's token budget, or it would wait forever.
-        if not self.config.enable_chunked_prefill and worst > self.config.max_num_batched_tokens:
-            raise ValueError(f"request {index} may need {worst} tokens in one step, over "
-                             f"max_num_batched_tokens={self.config.max_num_batched_tokens} with chunked "
-                             "prefill off; enable_chunked_prefill=True, or lower max_tokens")
+        """ValueError for a request this engine could never run (see request_checks)."""
+        check_request(self, ids, params, index)
 
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
                     arrival_time: float | None = None, priority: int = 0) -> Sequence:
@@ -471,16 +375,6 @@ class LLMEngine:
             "num_kv_blocks": float(self.num_blocks),
             **{k: float(v) for k, v in self.stats.items()},
         }
-
-
-def check_text(name: str, text: str) -> None:
-    """A ValueError naming `name` for text that is not Unicode a tokenizer can take: a lone
-    surrogate (from a JSON escape such as "\\ud800") has no UTF-8 encoding."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise ValueError(f"{name} is not valid text: it holds a lone surrogate "
-                         f"{text[e.start]!r} at character {e.start}") from None
 
 
 def _generation_eos(path: Path) -> set[int]:

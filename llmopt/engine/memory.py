@@ -1,4 +1,5 @@
-"""Does the KV block pool fit in the machine? Asked before a byte of it is allocated.
+"""How large the KV block pool is, and does it fit in the machine? Asked before a byte of it
+is allocated.
 
 The pool's size comes from `num_kv_blocks` or a memory budget, and either can ask for more
 than there is. Building it first would take minutes and all the RAM before anything failed
@@ -46,3 +47,59 @@ def check_kv_pool_fits(num_blocks: int, bytes_per_block: int, device: torch.devi
                 f"num_kv_blocks={num_blocks:,} needs {need:,} bytes ({need / 2**30:,.2f} GiB, {bytes_per_block:,} "
                 f"a block) but {available:,} bytes ({available / 2**30:,.2f} GiB) of {where} are available; lower "
                 "num_kv_blocks (or the budget it comes from: gpu_memory_utilization, cpu_kv_cache_space)")
+
+
+def kv_blocks_from_budget(config, model, device: torch.device, max_model_len: int, bytes_per_block: int) -> int:
+    """What is left of the budget after the weights, in blocks (vLLM's profiling, simplified).
+
+    CUDA: `gpu_memory_utilization` x device memory, minus the peak torch memory of a
+    profile forward (weights + the largest step's activations) and minus what lives
+    outside torch (the CUDA context, other processes). CPU: `cpu_kv_cache_space` GiB (vLLM reads
+    VLLM_CPU_KVCACHE_SPACE) when given; else sized here, since a CPU's RAM is shared with
+    everything else (the notebook, a reference model, the OS): a quarter of the memory
+    available once the weights are loaded, at least 0.25 GiB and at most 4 GiB, and never
+    more than the running batch can fill (max_num_seqs sequences of max_model_len tokens).
+    4 GiB holds 93K tokens of SmolLM2-135M in float32, more than a few CPU cores get through
+    in minutes of decoding; a quarter leaves Binder's 2 GiB machines room for the rest.
+    """
+    if device.type == "cuda":
+        peak = profile_peak_memory(model, device, config.max_num_batched_tokens, config.max_num_seqs,
+                                   max_model_len)
+        free, total = torch.cuda.mem_get_info(device)
+        other = total - free - torch.cuda.memory_reserved(device)  # other processes, CUDA context
+        budget = config.gpu_memory_utilization * total - peak - max(0, other)
+    elif config.cpu_kv_cache_space is not None:
+        budget = config.cpu_kv_cache_space * 2**30
+    else:
+        block_size = config.block_size
+        fill = config.max_num_seqs * max_model_len / block_size * bytes_per_block
+        budget = min(max((host_available_bytes() or 2**30) / 4, 0.25 * 2**30), 4 * 2**30, fill)
+    blocks = int(budget // bytes_per_block)
+    if blocks < 1:
+        raise ValueError("no memory is left for the KV cache after loading the weights; raise "
+                         "gpu_memory_utilization / cpu_kv_cache_space or set num_kv_blocks")
+    return blocks
+
+
+@torch.inference_mode()
+def profile_peak_memory(model, device: torch.device, num_tokens: int, max_num_seqs: int,
+                        max_model_len: int) -> int:
+    """Peak bytes torch needs for the weights plus the largest step's activations: run one
+    dummy forward of `num_tokens` (max_num_batched_tokens), as vLLM's profile run does."""
+    from llmopt.engine.kv_cache import NoKVCache
+
+    torch.cuda.reset_peak_memory_stats(device)
+    n = num_tokens
+    lens = [min(n, max_model_len - 1)] * (n // (max_model_len - 1))
+    lens += [n - sum(lens)] if n - sum(lens) > 0 else []
+    cache = NoKVCache()
+    cache.begin_step(lens)
+    ids = torch.zeros(n, dtype=torch.long, device=device)
+    positions = torch.cat([torch.arange(k, device=device) for k in lens])
+    hidden = model(ids, positions, cache)
+    model.compute_logits(hidden[-max_num_seqs:])
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    del hidden
+    torch.cuda.empty_cache()
+    return peak

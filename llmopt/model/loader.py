@@ -20,7 +20,7 @@ from safetensors import safe_open
 
 from llmopt.layers.rotary import RotaryEmbedding
 from llmopt.model.config import ModelConfig
-from llmopt.model.gguf import gguf_hf_config, is_gguf, iter_gguf, load_gguf_tokenizer
+from llmopt.model.gguf import is_gguf, iter_gguf, load_gguf_tokenizer
 from llmopt.model.llama import LlamaForCausalLM
 
 
@@ -67,7 +67,7 @@ def load_model(folder: str | Path, dtype: torch.dtype = torch.float32,
     if cfg.quantization_config is not None or quantization is not None:
         scheme = quant_scheme(cfg, quantization, folder)
     if is_gguf(folder):  # dequantized on the way in; read before any memory is allocated
-        weights = iter_gguf(folder, gguf_hf_config(folder))
+        weights = iter_gguf(folder)
     else:
         weights = iter_checkpoint(safetensors_files(folder))
     # Build on the meta device (no memory, no random init), then allocate for real.

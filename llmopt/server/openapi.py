@@ -11,7 +11,8 @@ parser reads it.
 from __future__ import annotations
 
 from llmopt.sampling_params import MAX_TEMPERATURE
-from llmopt.server.protocol import CHAT_ROLES, MAX_STOP, MAX_STOP_CHARS
+from llmopt.chat import CHAT_ROLES
+from llmopt.server.protocol import MAX_STOP, MAX_STOP_CHARS
 
 
 def _optional(schema: dict) -> dict:

@@ -19,7 +19,8 @@ import uuid
 from dataclasses import dataclass
 from numbers import Integral, Real
 
-from llmopt.engine.llm_engine import check_text
+from llmopt.chat import MessageError, check_messages
+from llmopt.engine.request_checks import check_text
 from llmopt.sampling_params import MAX_TEMPERATURE, SamplingParams
 
 MAX_STOP = 4          # stop strings per request, as OpenAI allows
@@ -69,7 +70,6 @@ SAMPLING_FIELDS = {"max_tokens", "temperature", "top_p", "n", "stop", "seed", "s
                    "skip_special_tokens", "include_stop_str_in_output"}
 COMPLETION_FIELDS = SAMPLING_FIELDS | {"model", "prompt", "echo", "suffix", "best_of"}
 CHAT_FIELDS = SAMPLING_FIELDS | {"model", "messages", "max_completion_tokens", "top_logprobs"}
-CHAT_ROLES = ("system", "developer", "user", "assistant")
 
 
 def _is_int(v) -> bool:
@@ -228,29 +228,12 @@ def parse_chat(body, served_model: str) -> ParsedRequest:
     _not_supported(body, "logprobs", False, "log probabilities are not returned")
     _not_supported(body, "top_logprobs", 0, "log probabilities are not returned")
     messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise APIError("'messages' is required: a non-empty list of {'role': ..., 'content': ...}",
-                       param="messages")
-    plain = []
-    for i, m in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise APIError(f"'{where}' must be an object with 'role' and 'content'", param=where)
-        role, content = m.get("role"), m.get("content")
-        if role not in CHAT_ROLES:
-            raise APIError(f"'{where}.role' must be one of {', '.join(CHAT_ROLES)}; got {role!r}",
-                           param=f"{where}.role")
-        if isinstance(content, list):  # content parts: only text here
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                       for p in content):
-                raise APIError(f"'{where}.content' parts must be {{'type': 'text', 'text': ...}}",
-                               param=f"{where}.content")
-            content = "".join(p["text"] for p in content)
-        if not isinstance(content, str):
-            raise APIError(f"'{where}.content' must be a string; got {type(content).__name__}",
-                           param=f"{where}.content")
-        _check_text(f"{where}.content", content)
-        plain.append({"role": "system" if role == "developer" else role, "content": content})
+    if not isinstance(messages, list):  # a tuple never comes out of JSON; the checker takes both
+        messages = None
+    try:  # the same checks LLM.chat makes, with OpenAI's field names in the error
+        plain = check_messages(messages, check_text=_check_text)
+    except MessageError as e:
+        raise APIError(str(e), param=e.field) from None
     if "max_tokens" in body and "max_completion_tokens" in body:
         raise APIError("give 'max_completion_tokens' or 'max_tokens', not both", param="max_tokens")
     field = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
