@@ -128,7 +128,7 @@ def test_spec_workload_side_by_side():
 
 
 def test_leviathan_formula():
-    from llmopt.bench import alpha_from_length, expected_tokens_per_step, predicted_speedup
+    from llmopt.bench_spec import alpha_from_length, expected_tokens_per_step, predicted_speedup
 
     assert expected_tokens_per_step(0.0, 4) == 1.0 and expected_tokens_per_step(1.0, 4) == 5.0
     assert expected_tokens_per_step(0.5, 2) == pytest.approx(1.75)  # 1 + 0.5 + 0.25

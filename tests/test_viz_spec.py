@@ -16,7 +16,8 @@ pytest.importorskip("plotly")
 from transformers import AutoTokenizer  # noqa: E402
 
 from llmopt import LLM, SamplingParams, model_path  # noqa: E402
-from llmopt.bench import bench_spec, make_requests, predicted_speedup  # noqa: E402
+from llmopt.bench import make_requests  # noqa: E402
+from llmopt.bench_spec import bench_spec, predicted_speedup  # noqa: E402
 from llmopt.spec.rejection_sampler import rejection_sample  # noqa: E402
 from llmopt.viz import setup_notebook  # noqa: E402
 from llmopt.viz.spec import (KINDS, SpecTokens, acceptance_by_position, acceptance_sweep,  # noqa: E402

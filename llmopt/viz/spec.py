@@ -21,7 +21,7 @@ import plotly.graph_objects as go
 import torch
 from plotly.subplots import make_subplots
 
-from llmopt.bench import expected_tokens_per_step, predicted_speedup
+from llmopt.bench_spec import expected_tokens_per_step, predicted_speedup
 from llmopt.sampling_params import SamplingParams
 from llmopt.spec.rejection_sampler import rejection_sample
 from llmopt.viz.notebook import LessonWidget, format_table, show_outputs
@@ -425,7 +425,7 @@ def speedup_model_widget(alpha: float = 0.6, c: float = 0.1, max_k: int = 10) ->
 
 
 def speedup_rows(result: dict) -> list[dict]:
-    """The table of `llmopt.bench.bench_spec`'s result, one row per configuration (batch 1).
+    """The table of `llmopt.bench_spec.bench_spec`'s result, one row per configuration (batch 1).
 
     Two predictions: Leviathan et al.'s, where verifying k + 1 tokens costs one decode step
     (verify = 1), and the same formula with the measured verification cost in its place."""
