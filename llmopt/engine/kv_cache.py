@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from llmopt.fp8 import KV_CACHE_FP8_DTYPES, is_fp8, scale_from_amax
+from llmopt.kernels.mla_attention import latent_attention
 from llmopt.kernels.paged_attention import paged_attention, write_kv
 from llmopt.layers.attention import batched_decode_attention, sequence_attention
 
@@ -74,6 +75,14 @@ class NoKVCache(KVCache):
             end = start + n
             outs.append(sequence_attention(q[start:end], k[start:end], v[start:end], scale, window))
             start = end
+        return torch.cat(outs)
+
+    def attend_latent(self, layer, q, kv, kv_lora_rank, scale):
+        """MLA (llmopt/layers/mla.py): attention over each sequence's cached latent rows."""
+        outs, start = [], 0
+        for n in self.layout.query_lens:
+            outs.append(latent_attention(q[start:start + n], kv[start:start + n], kv_lora_rank, scale))
+            start += n
         return torch.cat(outs)
 
 

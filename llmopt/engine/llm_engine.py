@@ -26,6 +26,7 @@ import torch
 from llmopt.config import EngineConfig
 from llmopt.engine.block_manager import BlockManager
 from llmopt.engine.kv_cache import PagedKVCache, calibration_token_ids, kv_cache_torch_dtype
+from llmopt.engine.mla_cache import MLAPagedKVCache
 from llmopt.engine.memory import check_kv_pool_fits, kv_blocks_from_budget
 from llmopt.engine.model_runner import ModelRunner
 from llmopt.engine.request_checks import check_prompt, check_request
@@ -65,18 +66,26 @@ class LLMEngine:
         self.proposer = self._make_proposer(config.speculative_config)
         # the pool's dtype: the model's, or FP8 (1 byte a number: more blocks in the same budget)
         self.kv_cache_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, self.dtype)
-        self.bytes_per_block = PagedKVCache.bytes_per_block(
-            cfg.num_hidden_layers, self.block_size, cfg.num_key_value_heads, cfg.head_dim,
-            self.kv_cache_dtype)
+        if cfg.mla is not None:  # DeepSeek: one latent row per token and layer, not K and V
+            self.bytes_per_block = MLAPagedKVCache.bytes_per_block(
+                cfg.num_hidden_layers, self.block_size, cfg.mla, self.kv_cache_dtype)
+        else:
+            self.bytes_per_block = PagedKVCache.bytes_per_block(
+                cfg.num_hidden_layers, self.block_size, cfg.num_key_value_heads, cfg.head_dim,
+                self.kv_cache_dtype)
         if self.proposer is not None:  # a draft's KV lives in blocks of the same tables
             self.bytes_per_block += self.proposer.bytes_per_block(self.block_size)
         self.num_blocks = config.num_kv_blocks or kv_blocks_from_budget(
             config, self.model, self.device, self.max_model_len, self.bytes_per_block)
         check_kv_pool_fits(self.num_blocks, self.bytes_per_block, self.device)
         self.block_manager = BlockManager(self.num_blocks, self.block_size, config.enable_prefix_caching)
-        self.kv_cache = PagedKVCache(cfg.num_hidden_layers, self.num_blocks, self.block_size,
-                                     cfg.num_key_value_heads, cfg.head_dim, self.dtype, self.device,
-                                     self.kv_cache_dtype)
+        if cfg.mla is not None:
+            self.kv_cache = MLAPagedKVCache(cfg.num_hidden_layers, self.num_blocks, self.block_size,
+                                            cfg.mla, self.dtype, self.device, config.kv_cache_dtype)
+        else:
+            self.kv_cache = PagedKVCache(cfg.num_hidden_layers, self.num_blocks, self.block_size,
+                                         cfg.num_key_value_heads, cfg.head_dim, self.dtype, self.device,
+                                         self.kv_cache_dtype)
         if self.kv_cache.is_fp8:  # per-layer K/V scales: calibrated, else the checkpoint's, else 1.0
             if config.calculate_kv_scales:
                 self.kv_cache.calibrate(self.model, calibration_token_ids(

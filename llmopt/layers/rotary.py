@@ -2,8 +2,10 @@
 
 The dot product of a rotated query and key then depends only on their distance.
 Feature i rotates at frequency theta^(-2i/d); Llama 3's scaling slows the low
-frequencies so that a model trained on 8K positions reads 128K. The layout is
-"rotate half" (feature i pairs with i + d/2), the layout Hugging Face checkpoints use.
+frequencies so that a model trained on 8K positions reads 128K; YaRN (DeepSeek-V3)
+blends interpolated and original frequencies along a ramp and may scale cos/sin by an
+attention factor. The layout is "rotate half" (feature i pairs with i + d/2), the layout
+Hugging Face checkpoints use.
 """
 
 from __future__ import annotations
@@ -21,7 +23,48 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: dict | None) -> to
         inv_freq = inv_freq / scaling["factor"]
     elif rope_type == "llama3":
         inv_freq = _llama3_scaling(inv_freq, scaling)
+    elif rope_type == "yarn":
+        inv_freq = _yarn_scaling(head_dim, theta, scaling)
     return inv_freq
+
+
+def _yarn_scaling(dim: int, theta: float, s: dict) -> torch.Tensor:
+    """YaRN (Peng et al. 2023, arXiv:2309.00071), as transformers computes it: frequencies
+    that turn fewer than beta_slow times over the original context are interpolated
+    (divided by `factor`), those turning more than beta_fast times are kept, a linear ramp between."""
+    factor, old_len = float(s["factor"]), s["original_max_position_embeddings"]
+    beta_fast, beta_slow = s.get("beta_fast") or 32, s.get("beta_slow") or 1
+
+    def correction_dim(rotations):
+        return dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # a ramp of zero width would divide by zero
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = theta ** (torch.arange(0, dim, 2).float() / dim)
+    keep = 1 - ramp
+    return (1.0 / (factor * pos_freqs)) * (1 - keep) + (1.0 / pos_freqs) * keep
+
+
+def yarn_attention_factor(scaling: dict | None) -> float:
+    """YaRN's multiplier on cos and sin (1.0 for every other RoPE)."""
+    s = scaling or {}
+    if s.get("rope_type") != "yarn":
+        return 1.0
+    if s.get("attention_factor") is not None:
+        return float(s["attention_factor"])
+    factor = float(s["factor"])
+
+    def mscale(m=1.0):
+        return 0.1 * m * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+    if s.get("mscale") and s.get("mscale_all_dim"):
+        return mscale(float(s["mscale"])) / mscale(float(s["mscale_all_dim"]))
+    return mscale()
 
 
 def _llama3_scaling(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
@@ -43,9 +86,10 @@ class RotaryEmbedding(nn.Module):
         inv_freq = inverse_frequencies(head_dim, theta, scaling)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         emb = torch.cat([freqs, freqs], dim=-1)
+        factor = yarn_attention_factor(scaling)
         # A table of cos/sin for every position, looked up by each token's position id.
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        self.register_buffer("cos", emb.cos() * factor, persistent=False)
+        self.register_buffer("sin", emb.sin() * factor, persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim]."""

@@ -16,8 +16,39 @@ SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",  # q/k/v projections carry a bias
     "MistralForCausalLM": "mistral",  # sliding-window attention
+    "DeepseekV3ForCausalLM": "deepseek_v3",  # MLA + mixture of experts (llmopt/model/deepseek.py)
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+YARN_ARCHITECTURES = ("deepseek_v3",)  # YaRN, tested against transformers for these only
+
+
+@dataclass
+class MLAConfig:
+    """Multi-head latent attention's shapes (DeepSeek-V2/V3): K and V come from a
+    kv_lora_rank latent, plus a qk_rope_head_dim RoPE key shared by all heads."""
+
+    kv_lora_rank: int
+    q_lora_rank: int | None     # None: q is one plain projection
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool = True
+    softmax_scale: float = 1.0  # qk_head_dim^-0.5, times YaRN's mscale^2 when it applies
+
+
+@dataclass
+class MoEConfig:
+    """DeepSeek-V3's mixture of experts: sigmoid router, bias-corrected grouped top-k."""
+
+    n_routed_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    n_shared_experts: int
+    n_group: int
+    topk_group: int
+    norm_topk_prob: bool
+    routed_scaling_factor: float
+    first_k_dense_replace: int  # the first layers keep a dense MLP
 
 
 @dataclass
@@ -43,6 +74,8 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
     torch_dtype: str | None = None
     quantization_config: dict | None = None
+    mla: MLAConfig | None = None  # DeepSeek: latent attention instead of q/k/v heads
+    moe: MoEConfig | None = None  # DeepSeek: routed + shared experts after the dense layers
 
     @property
     def num_queries_per_kv(self) -> int:
@@ -77,6 +110,8 @@ class ModelConfig:
             hidden, heads = int(c["hidden_size"]), int(c["num_attention_heads"])
             kv_heads = int(c.get("num_key_value_heads") or heads)
             head_dim = int(c.get("head_dim") or hidden // heads)
+            if family == "deepseek_v3":  # a query/key head: its no-RoPE part plus its RoPE part
+                head_dim = int(c["qk_nope_head_dim"]) + int(c["qk_rope_head_dim"])
             layers = int(c["num_hidden_layers"])
             cfg = cls(
                 architecture=arch, vocab_size=int(c["vocab_size"]), hidden_size=hidden,
@@ -86,7 +121,7 @@ class ModelConfig:
                 rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
                 tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
                 qkv_bias=family == "qwen2" or bool(c.get("attention_bias", False)),
-                o_bias=family == "llama" and bool(c.get("attention_bias", False)),
+                o_bias=family in ("llama", "deepseek_v3") and bool(c.get("attention_bias", False)),
                 mlp_bias=bool(c.get("mlp_bias", False)),
                 bos_token_id=c.get("bos_token_id"),
                 eos_token_ids=_as_list(c.get("eos_token_id")),
@@ -100,8 +135,10 @@ class ModelConfig:
         if heads % kv_heads:
             raise ValueError(f"{source}: num_attention_heads ({heads}) must be a multiple of "
                              f"num_key_value_heads ({kv_heads})")
-        cfg.rope_theta, cfg.rope_scaling = _rope(c, source)
+        cfg.rope_theta, cfg.rope_scaling = _rope(c, source, family)
         cfg.sliding_windows = _sliding_windows(c, family, layers)
+        if family == "deepseek_v3":
+            cfg.mla, cfg.moe = _deepseek(c, cfg, source)
         return cfg
 
 
@@ -111,15 +148,16 @@ def _as_list(x) -> list[int]:
     return [int(v) for v in x] if isinstance(x, (list, tuple)) else [int(x)]
 
 
-def _rope(c: dict, source: str) -> tuple[float, dict | None]:
+def _rope(c: dict, source: str, family: str = "llama") -> tuple[float, dict | None]:
     """transformers 5 writes `rope_parameters`; older configs `rope_theta` + `rope_scaling`."""
     params = dict(c.get("rope_parameters") or {})
     theta = float(params.pop("rope_theta", c.get("rope_theta", 10000.0)))
     scaling = params or dict(c.get("rope_scaling") or {})
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-    if rope_type not in SUPPORTED_ROPE_TYPES:
+    allowed = SUPPORTED_ROPE_TYPES + (("yarn",) if family in YARN_ARCHITECTURES else ())
+    if rope_type not in allowed:
         raise ValueError(f"{source}: rope_type {rope_type!r} is not supported; "
-                         f"llmopt implements {', '.join(SUPPORTED_ROPE_TYPES)}")
+                         f"llmopt implements {', '.join(allowed)}")
     if rope_type == "default":
         return theta, None
     scaling["rope_type"] = rope_type
@@ -138,3 +176,39 @@ def _sliding_windows(c: dict, family: str, layers: int) -> list[int | None]:
         first = int(c.get("max_window_layers", 0)) if family == "qwen2" else 0
         types = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
     return [int(window) if t == "sliding_attention" else None for t in types]
+
+
+def _deepseek(c: dict, cfg: ModelConfig, source: str) -> tuple[MLAConfig, MoEConfig]:
+    """DeepSeek-V3's attention and expert shapes, as transformers' DeepseekV3Config reads them."""
+    import math
+
+    for key, allowed in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
+        if c.get(key, allowed) != allowed:  # what V3 (and transformers' port of it) implements
+            raise ValueError(f"{source}: {key} {c[key]!r} is not supported; DeepseekV3 uses {allowed!r}")
+    rope_dim = int(c["qk_rope_head_dim"])
+    if rope_dim % 2:
+        raise ValueError(f"{source}: qk_rope_head_dim must be even (RoPE rotates pairs), got {rope_dim}")
+    scale = cfg.head_dim ** -0.5
+    s = cfg.rope_scaling or {}
+    if s and s.get("mscale_all_dim"):  # YaRN's attention temperature, applied to both q and k
+        factor = float(s["factor"])
+        m = 0.1 * float(s["mscale_all_dim"]) * math.log(factor) + 1.0 if factor > 1 else 1.0
+        scale *= m * m
+    mla = MLAConfig(kv_lora_rank=int(c["kv_lora_rank"]),
+                    q_lora_rank=None if c.get("q_lora_rank") is None else int(c["q_lora_rank"]),
+                    qk_nope_head_dim=int(c["qk_nope_head_dim"]), qk_rope_head_dim=rope_dim,
+                    v_head_dim=int(c["v_head_dim"]), rope_interleave=bool(c.get("rope_interleave", True)),
+                    softmax_scale=scale)
+    experts, group = int(c.get("n_routed_experts") or 0), int(c.get("n_group") or 1)
+    moe = MoEConfig(n_routed_experts=experts, num_experts_per_tok=int(c.get("num_experts_per_tok") or 1),
+                    moe_intermediate_size=int(c.get("moe_intermediate_size") or 0),
+                    n_shared_experts=int(c.get("n_shared_experts") or 0), n_group=group,
+                    topk_group=int(c.get("topk_group") or 1), norm_topk_prob=bool(c.get("norm_topk_prob", True)),
+                    routed_scaling_factor=float(c.get("routed_scaling_factor", 1.0)),
+                    first_k_dense_replace=int(c.get("first_k_dense_replace") or 0))
+    if experts and (experts % group or experts // group < 2 or moe.topk_group > group
+                    or moe.num_experts_per_tok > experts // group * moe.topk_group):
+        raise ValueError(f"{source}: n_routed_experts ({experts}) must split into n_group ({group}) groups "
+                         f"of >= 2, topk_group ({moe.topk_group}) <= n_group, and num_experts_per_tok "
+                         f"({moe.num_experts_per_tok}) <= the experts in topk_group groups")
+    return mla, moe

@@ -72,7 +72,7 @@ def load_model(folder: str | Path, dtype: torch.dtype = torch.float32,
         weights = iter_checkpoint(safetensors_files(folder))
     # Build on the meta device (no memory, no random init), then allocate for real.
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
+        model = model_class(cfg)(cfg)
     if scheme is not None and scheme.serialized:
         # swap the quantized modules in while still on meta, after the dtype cast, so their
         # int32 / fp16 / fp8 tensors keep the dtypes the checkpoint stores
@@ -83,12 +83,22 @@ def load_model(folder: str | Path, dtype: torch.dtype = torch.float32,
         model = model.to_empty(device=device).to(dtype)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    model.model.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings,
+    rope_dim = cfg.mla.qk_rope_head_dim if cfg.mla is not None else cfg.head_dim
+    model.model.rotary_emb = RotaryEmbedding(rope_dim, cfg.max_position_embeddings,
                                              cfg.rope_theta, cfg.rope_scaling).to(device)
     load_weights(model, weights, source=str(folder))
     if scheme is not None and not scheme.serialized:
         quantize_linears(model, scheme.method)
     return model.eval()
+
+
+def model_class(cfg: ModelConfig):
+    """The decoder class for a config: DeepSeek-V3's (MLA + MoE), else the Llama family's."""
+    if cfg.mla is not None:
+        from llmopt.model.deepseek import DeepseekV3ForCausalLM
+
+        return DeepseekV3ForCausalLM
+    return LlamaForCausalLM
 
 
 def load_tokenizer(path: str | Path):
@@ -149,12 +159,16 @@ def load_weights(model: LlamaForCausalLM, weights, source: str = "checkpoint") -
             continue  # recomputed from the config
         if name == "lm_head.weight" and model.config.tie_word_embeddings:
             continue  # tied: the embedding is the head
-        target, rows = name, None
-        for fused, part, shard in model.stacked_params:
-            if f".{part}." in name:
-                target = name.replace(part, fused)
-                rows = model.shard_rows(fused, shard)
-                break
+        target, rows, index = name, None, None
+        if hasattr(model, "checkpoint_target"):  # a model with its own layout (DeepSeek's experts)
+            target, index = model.checkpoint_target(name)
+        else:
+            for fused, part, shard in model.stacked_params:
+                if f".{part}." in name:
+                    target = name.replace(part, fused)
+                    rows = model.shard_rows(fused, shard)
+                    index = slice(*rows)
+                    break
         if target not in params:
             continue  # tensors of heads we do not run (e.g. a value head) are ignored
         module_name, _, leaf = target.rpartition(".")
@@ -164,7 +178,7 @@ def load_weights(model: LlamaForCausalLM, weights, source: str = "checkpoint") -
             loaded.add(name)
             continue
         param = params[target]
-        dest = param.data if rows is None else param.data[rows[0]:rows[1]]
+        dest = param.data if index is None else param.data[index]
         if dest.shape != tensor.shape:
             raise ValueError(f"{source}: tensor {name!r} has shape {tuple(tensor.shape)}, "
                              f"config.json implies {tuple(dest.shape)}")
@@ -177,8 +191,11 @@ def load_weights(model: LlamaForCausalLM, weights, source: str = "checkpoint") -
         module_name, _, leaf = pname.rpartition(".")
         if leaf in getattr(model.get_submodule(module_name), "OPTIONAL", ()):
             continue
-        parts = [pname.replace(fused, part) for fused, part, _ in model.stacked_params
-                 if f".{fused}." in pname]
+        if hasattr(model, "checkpoint_names"):
+            parts = model.checkpoint_names(pname)
+        else:
+            parts = [pname.replace(fused, part) for fused, part, _ in model.stacked_params
+                     if f".{fused}." in pname]
         expected.update(parts or [pname])
     missing = sorted(expected - loaded)
     if missing:
