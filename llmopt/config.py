@@ -16,7 +16,7 @@ DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bf
           "float16": torch.float16, "half": torch.float16}
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 QUANTIZATION = (None, "fp8", "int8")
-SPEC_METHODS = ("draft_model", "ngram", "eagle")
+SPEC_METHODS = ("draft_model", "ngram", "eagle", "layer_skip")
 
 
 @dataclass
@@ -101,7 +101,8 @@ class EngineConfig:
                 raise ValueError(f"speculative_config['method'] must be one of {', '.join(SPEC_METHODS)}, "
                                  f"got {method!r}")
             allowed = {"method", "num_speculative_tokens"} | (
-                {"prompt_lookup_min", "prompt_lookup_max"} if method == "ngram" else {"model"})
+                {"prompt_lookup_min", "prompt_lookup_max"} if method == "ngram"
+                else {"exit_layer"} if method == "layer_skip" else {"model"})
             unknown = set(sc) - allowed
             if unknown:
                 raise ValueError(f"speculative_config: unknown keys {sorted(unknown)} for {method!r}; "
@@ -114,6 +115,11 @@ class EngineConfig:
                     _positive_int(f"speculative_config['{key}']", sc.get(key, default))
                 if sc.get("prompt_lookup_min", 1) > sc.get("prompt_lookup_max", 4):
                     raise ValueError("speculative_config: prompt_lookup_min must be <= prompt_lookup_max")
+            elif method == "layer_skip":
+                if "exit_layer" not in sc:
+                    raise ValueError("speculative_config for 'layer_skip' needs 'exit_layer' (how many of "
+                                     "the target's first layers draft, 1 <= exit_layer < num_hidden_layers)")
+                _positive_int("speculative_config['exit_layer']", sc["exit_layer"])
             elif "model" in sc and not (isinstance(sc["model"], str) and sc["model"]):
                 raise TypeError(f"speculative_config['model'] must be a model name or folder, "
                                 f"got {sc['model']!r}")

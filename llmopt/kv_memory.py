@@ -89,10 +89,10 @@ class KVSpec:
             num_layers=int(config["num_hidden_layers"]),
             num_attention_heads=heads,
             num_kv_heads=int(config.get("num_key_value_heads") or heads),
-            # MLA configs give no head_dim: a key head is its no-RoPE part plus the RoPE part
-            head_dim=int(config.get("head_dim") or (
-                config["qk_nope_head_dim"] + config["qk_rope_head_dim"] if mla
-                else config["hidden_size"] // heads)),
+            # MLA: a key head is its no-RoPE part plus the RoPE part (transformers 5 writes the
+            # RoPE part alone as head_dim, so it is not read for MLA)
+            head_dim=int(config["qk_nope_head_dim"] + config["qk_rope_head_dim"] if mla
+                         else config.get("head_dim") or config["hidden_size"] // heads),
             kv_lora_rank=int(config["kv_lora_rank"]) if mla else None,
             qk_rope_head_dim=int(config.get("qk_rope_head_dim", 0)) if mla else None,
             max_position_embeddings=config.get("max_position_embeddings"),

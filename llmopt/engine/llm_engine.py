@@ -32,6 +32,7 @@ from llmopt.engine.model_runner import ModelRunner
 from llmopt.engine.request_checks import check_prompt, check_request
 from llmopt.engine.scheduler import Scheduler
 from llmopt.engine.sequence import Sequence
+from llmopt.layers.moe import moe_step_stats
 from llmopt.model.config import ModelConfig
 from llmopt.model.loader import load_model, load_tokenizer
 from llmopt.model.registry import resolve_model
@@ -117,6 +118,14 @@ class LLMEngine:
             return None
         if sc["method"] == "ngram":
             return NgramProposer(sc.get("prompt_lookup_min", 1), sc.get("prompt_lookup_max", 4))
+        if sc["method"] == "layer_skip":  # the target's own first layers draft (spec/layer_skip.py)
+            from llmopt.spec.layer_skip import LayerSkipProposer
+
+            layers = self.model_config.num_hidden_layers
+            if not sc["exit_layer"] < layers:
+                raise ValueError(f"speculative_config['exit_layer'] must be in 1..{layers - 1} (the "
+                                 f"model has {layers} layers), got {sc['exit_layer']}")
+            return LayerSkipProposer(self.model, sc["exit_layer"], self.device)
         default = {"draft_model": "tiny-draft", "eagle": "tiny-eagle"}[sc["method"]]
         if "model" not in sc and self.model_path != resolve_model("tiny"):
             raise ValueError(f"speculative_config for method {sc['method']!r} needs 'model' (a draft "
@@ -347,6 +356,7 @@ class LLMEngine:
             "block_tables": {rid: list(t) for rid, t in bm.block_tables.items()},
             "num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
             **self.memory_stats(),
+            **moe_step_stats(self.model),  # DeepSeek: tokens per expert, load imbalance
         })
 
     # -- numbers -------------------------------------------------------------------------------------

@@ -106,3 +106,15 @@ def load_imbalance(counts: torch.Tensor) -> float:
     """Busiest expert's tokens over the mean (1.0 = perfectly even): the step waits for the busiest."""
     mean = counts.float().mean()
     return float(counts.max() / mean) if mean > 0 else 1.0
+
+
+def moe_step_stats(model) -> dict:
+    """The last forward's routing, for the engine's trace: per MoE layer, tokens per expert,
+    load imbalance, and the experts each token of the flat batch went to ({} for dense models)."""
+    layers = model.moe_layers() if hasattr(model, "moe_layers") else {}
+    done = {i: m for i, m in layers.items() if m.last_counts is not None}
+    if not done:
+        return {}
+    return {"moe": {"tokens_per_expert": {i: m.last_counts.tolist() for i, m in done.items()},
+                    "load_imbalance": {i: load_imbalance(m.last_counts) for i, m in done.items()},
+                    "expert_ids": {i: m.last_topk.tolist() for i, m in done.items()}}}
