@@ -62,6 +62,12 @@ class KVCache:
                scale: float, window: int | None = None) -> torch.Tensor:
         raise NotImplementedError
 
+    def attend_latent(self, layer: int, q: torch.Tensor, kv: torch.Tensor, kv_lora_rank: int,
+                      scale: float) -> torch.Tensor:
+        """MLA's attention over cached latent rows (llmopt/layers/mla.py)."""
+        raise TypeError(f"{type(self).__name__} keeps keys and values per head; an MLA model (DeepSeek) "
+                        "needs a latent cache: the paged engine's MLAPagedKVCache, or NoKVCache")
+
 
 class NoKVCache(KVCache):
     """Remembers nothing: each forward holds complete sequences (query_lens = lengths)."""
