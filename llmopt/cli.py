@@ -123,6 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="load a running server instead (llmopt serve, vLLM): Poisson arrivals, streaming")
     bench.add_argument("--request-rate", type=float, nargs="+", default=None,
                        help="--url: requests/s, one run each (inf: all at once); default 1 2 4 8")
+    bench.add_argument("--max-retries", type=int, default=5,
+                       help="--url: retries of a request answered 503, each after its Retry-After")
     bench.add_argument("--out", default=None, help="write the table (markdown) here too")
     bench.add_argument("--json", default=None, help="write the raw numbers (JSON) here")
     add_engine_flags(bench)
@@ -134,6 +136,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     serve.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="seconds running requests get to finish after SIGINT/SIGTERM, then aborted")
+    serve.add_argument("--max-waiting-requests", type=int, default=None,
+                       help="refuse new requests with 503 + Retry-After while this many wait (default: no bound)")
+    serve.add_argument("--request-timeout", type=float, default=None,
+                       help="seconds a request may take from arrival to its last token, then aborted "
+                            "(504; default: no deadline)")
     add_security_flags(serve)
     add_engine_flags(serve)
 
@@ -180,7 +187,8 @@ def main(argv: list[str] | None = None) -> int:
             from llmopt.server import serve
 
             return serve(engine_kwargs(args), args.host, args.port, args.served_model_name, args.threads,
-                         args.shutdown_timeout, security=Security.from_args(args))
+                         args.shutdown_timeout, security=Security.from_args(args),
+                         max_waiting_requests=args.max_waiting_requests, request_timeout=args.request_timeout)
         if args.command == "quantize":
             return _quantize(args)
     except (ValueError, TypeError) as e:

@@ -11,7 +11,9 @@ HTTP connections. So the engine lives in a thread of its own, which repeats:
 Each client waits on an asyncio queue; the engine thread puts outputs into it with
 `loop.call_soon_threadsafe`. Outputs are cumulative (all tokens so far), so a client that
 falls behind skips to the newest. A client that leaves (disconnect, cancel) aborts its
-request, which frees its KV blocks at the next turn of the loop. No request stops the loop:
+request, which frees its KV blocks at the next turn of the loop. Admission control
+(admission.py) runs here too: a request is refused while the waiting queue is full, and one
+past its deadline is aborted. No request stops the loop:
 one that makes a step raise ends with finish_reason "error" (the engine isolates it), and
 should a step raise outside that, the requests in the engine fail and the loop goes on.
 """
@@ -27,6 +29,7 @@ from llmopt.config import EngineConfig
 from llmopt.engine.llm_engine import LLMEngine
 from llmopt.outputs import RequestOutput
 from llmopt.sampling_params import SamplingParams
+from llmopt.server.admission import AdmissionControl, DeadlineExceeded, remaining
 from llmopt.server.metrics import ServerMetrics
 
 
@@ -39,20 +42,24 @@ class RequestFailed(RuntimeError):
 
 
 class AsyncLLM:
-    def __init__(self, config: EngineConfig, served_model_name: str | None = None):
+    def __init__(self, config: EngineConfig, served_model_name: str | None = None,
+                 admission: AdmissionControl | None = None):
         from llmopt.model.loader import load_tokenizer
 
+        self.admission = admission or AdmissionControl()
         self.engine = LLMEngine(config)
         self.model_name = served_model_name or config.model
         # The front end's own tokenizer: the engine thread decodes with the engine's at the
         # same time, and one Rust tokenizer must not be used from two threads at once.
         self.tokenizer = load_tokenizer(config.tokenizer or self.engine.model_path)
         self.metrics = ServerMetrics(self.model_name)
+        self.metrics.on_queue_time = self.admission.observe_queue_time
         self.metrics.record_engine(self.engine.get_metrics())
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._new: list[tuple] = []       # (request_id, text, token ids, params, priority, arrival)
         self._aborts: list[str] = []
+        self._engine_waiting = 0          # in the engine's waiting queue, as of the engine thread's last look
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopping = False
         self.accepting = True
@@ -87,22 +94,35 @@ class AsyncLLM:
         self.engine.validate_request(token_ids, params, 0)
 
     async def generate(self, request_id: str, text: str | None, token_ids: list[int], params: SamplingParams,
-                       priority: int = 0, arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, arrival_time: float | None = None,
+                       timeout: float | None = None) -> AsyncIterator[RequestOutput]:
         """Yield the request's cumulative output after each step it takes part in; the last one
-        has `finished=True`. Leaving early (break, cancel, an exception) aborts the request."""
+        has `finished=True`. Leaving early (break, cancel, an exception) aborts the request.
+
+        Raises Overloaded (before anything is queued) when the waiting queue is full, and
+        DeadlineExceeded when the request is not done `timeout` seconds (capped by the
+        server's --request-timeout) after it arrived."""
         if not self.accepting or not self.healthy:
             raise EngineUnavailable("the server is shutting down" if self.error is None
                                     else f"the engine failed: {self.error!r}")
+        arrival = arrival_time if arrival_time is not None else time.perf_counter()
+        limit = self.admission.timeout(timeout)
+        deadline = None if limit is None else arrival + limit
         queue: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = (asyncio.get_running_loop(), queue)
-        with self._lock:
-            self._new.append((request_id, text, token_ids, params, priority,
-                              arrival_time if arrival_time is not None else time.perf_counter()))
+        with self._lock:  # the count and the append together: two requests cannot both take the last place
+            self.admission.check(len(self._new) + self._engine_waiting)
+            self._streams[request_id] = (asyncio.get_running_loop(), queue)
+            self._new.append((request_id, text, token_ids, params, priority, arrival))
         self._wake.set()
         finished = False
         try:
             while not finished:
-                item = await queue.get()
+                try:
+                    item = await asyncio.wait_for(queue.get(), remaining(deadline))
+                except TimeoutError:
+                    self.metrics.timed_out()
+                    raise DeadlineExceeded(f"the request did not finish within its deadline of {limit:g} s "
+                                           "(X-Request-Timeout, capped by --request-timeout) and was aborted") from None
                 while isinstance(item, RequestOutput) and not item.finished and not queue.empty():
                     item = queue.get_nowait()  # outputs are cumulative: the newest says it all
                 if isinstance(item, BaseException):
@@ -146,6 +166,7 @@ class AsyncLLM:
                     new, self._new = self._new, []
                     aborts, self._aborts = self._aborts, []
                     stopping = self._stopping
+                    self._engine_waiting += len(new)  # they join the engine's waiting queue next
                 for rid, text, ids, params, priority, arrival in new:
                     try:
                         engine.add_request(rid, {"prompt_token_ids": ids, "prompt": text}, params,
@@ -157,10 +178,10 @@ class AsyncLLM:
                 if stopping:
                     for rid in list(engine.requests):
                         self._abort_now(rid)
-                    self.metrics.record_engine(engine.get_metrics())
+                    self._record_engine()
                     return
                 if not engine.has_unfinished_requests():
-                    self.metrics.record_engine(engine.get_metrics())
+                    self._record_engine()
                     self._wake.wait()
                     continue
                 try:
@@ -170,13 +191,19 @@ class AsyncLLM:
                 for out in outputs:
                     self._deliver(out.request_id, out)
                 self.metrics.record_outputs(outputs)
-                self.metrics.record_engine(engine.get_metrics())
+                self._record_engine()
         except BaseException as e:  # a failed step leaves the engine in an unknown state
             self.error = e
             self.accepting = False
             for rid in list(self._streams):
                 self._deliver(rid, EngineUnavailable(f"the engine failed: {e!r}"))
             raise
+
+    def _record_engine(self) -> None:
+        m = self.engine.get_metrics()
+        with self._lock:
+            self._engine_waiting = int(m["num_requests_waiting"])
+        self.metrics.record_engine(m)
 
     def _fail_everything(self, error: Exception) -> list[RequestOutput]:
         """A step raised outside the engine's per-request isolation (in its bookkeeping), so

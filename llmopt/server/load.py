@@ -10,6 +10,12 @@ came. From those times, as vLLM's `bench serve` computes them:
     ITL   = the gaps between chunks
     throughput = output tokens of all requests / (last finish - first send)
 
+A client that behaves: a 503 (the server's queue is full, or it is loading or draining; or,
+behind nginx, no replica could take the request) is retried after the `Retry-After` the answer
+gives (else an exponential backoff from 0.5 s), with up to 25% random jitter so that refused
+clients do not all come back at the same instant, at most `max_retries` times. The summary
+counts the 503s; a request's TTFT still starts at its first attempt, as its user waited.
+
 While the load runs, the server's /metrics is read a few times a second (KV cache usage,
 running and waiting requests). A server keeps up with a rate while it finishes requests
 as fast as they come. Past its capacity (the most requests per second it can finish) a
@@ -50,6 +56,8 @@ class RequestResult:
     prompt_tokens: int = 0
     output_tokens: int = 0
     text: str = ""
+    retries_503: int = 0             # 503 answers retried after their Retry-After
+    upstream: str | None = None      # behind nginx: the replica(s) tried (its X-Upstream header)
 
     @property
     def ttft(self) -> float | None:
@@ -119,13 +127,20 @@ class LoadTest:
 
     def __init__(self, url: str, requests: list[LoadRequest], rate: float, model: str | None = None,
                  seed: int = 0, timeout: float = 120.0, ignore_eos: bool = True,
-                 sample_interval: float = 0.25, progress: bool = False, label: str | None = None):
+                 sample_interval: float = 0.25, progress: bool = False, label: str | None = None,
+                 max_retries: int = 5, metrics_url: str | None = None):
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"url must start with http:// or https://, got {url!r}")
         if not requests:
             raise ValueError("requests is empty; give at least one LoadRequest")
         if not timeout > 0:
             raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
+        if isinstance(max_retries, bool) or not isinstance(max_retries, int) or max_retries < 0:
+            raise ValueError(f"max_retries must be an integer >= 0, got {max_retries!r}")
+        self.max_retries = max_retries
+        # behind a load balancer, /metrics is one replica's: give a replica's URL, or None to skip sampling
+        self.metrics_url = (metrics_url or url).rstrip("/")
+        self._rng = random.Random(seed + 7)
         self.url, self.requests, self.rate, self.model = url.rstrip("/"), requests, rate, model
         self.timeout, self.ignore_eos, self.sample_interval = timeout, ignore_eos, sample_interval
         self.progress, self.label = progress, label or f"{rate:g} req/s"
@@ -185,15 +200,35 @@ class LoadTest:
             if bar is not None:
                 bar.close()
 
+    def backoff(self, attempt: int, retry_after: str | None) -> float:
+        """Seconds to wait before retry number `attempt` (0-based) of a 503."""
+        try:
+            base = float(retry_after) if retry_after is not None else 0.5 * 2 ** attempt
+        except ValueError:  # an HTTP date, which no LLM server sends: fall back to the backoff
+            base = 0.5 * 2 ** attempt
+        return min(base, 30.0) * (1 + 0.25 * self._rng.random())
+
     async def _stream(self, client: httpx.AsyncClient, req: LoadRequest, start: float) -> RequestResult:
         res = RequestResult(send_time=time.perf_counter() - start)
+        while True:
+            retry_after = await self._attempt(client, req, start, res)
+            if retry_after is False or res.retries_503 >= self.max_retries:
+                return res
+            await asyncio.sleep(self.backoff(res.retries_503, retry_after))
+            res.retries_503 += 1
+            res.error = None
+
+    async def _attempt(self, client: httpx.AsyncClient, req: LoadRequest, start: float, res: RequestResult):
+        """One try; fills `res`. Returns False when done (answered, or failed for good), else the
+        503's Retry-After header (None if it had none)."""
         body = {"model": self.model, "prompt": req.prompt, "max_tokens": req.max_tokens, "temperature": 0.0,
                 "ignore_eos": self.ignore_eos, "stream": True, "stream_options": {"include_usage": True}}
         try:
             async with client.stream("POST", f"{self.url}/v1/completions", json=body) as r:
+                res.upstream = r.headers.get("x-upstream")
                 if r.status_code != 200:
                     res.error = f"HTTP {r.status_code}: {(await r.aread()).decode()[:200]}"
-                    return res
+                    return r.headers.get("retry-after") if r.status_code == 503 else False
                 async for line in r.aiter_lines():
                     if not line.startswith("data: "):
                         continue
@@ -203,7 +238,7 @@ class LoadTest:
                     chunk = json.loads(data)
                     if chunk.get("error"):
                         res.error = chunk["error"].get("message", "error")
-                        return res
+                        return False
                     if chunk.get("usage"):
                         res.prompt_tokens = chunk["usage"]["prompt_tokens"]
                         res.output_tokens = chunk["usage"]["completion_tokens"]
@@ -215,13 +250,13 @@ class LoadTest:
                 res.error = "no text came back"
         except (httpx.HTTPError, json.JSONDecodeError) as e:
             res.error = f"{type(e).__name__}: {e}"
-        return res
+        return False
 
     async def _sample(self, client: httpx.AsyncClient, start: float) -> None:
         while True:
             try:
-                r = await client.get(f"{self.url}/metrics")
-                m = parse_metrics(r.text)
+                r = await client.get(f"{self.metrics_url}/metrics")
+                m = parse_metrics(r.text) if r.status_code == 200 else {}
                 m["time"] = time.perf_counter() - start
                 self.samples.append(m)
             except httpx.HTTPError:
@@ -242,6 +277,8 @@ def summarize(run: LoadTest) -> dict:
     out = {"label": run.label, "rate": run.rate, "offered_rate": offered,
            "num_requests": len(run.requests), "completed": len(ok), "failed": len(run.results) - len(ok),
            "errors": sorted({r.error for r in run.results if not r.ok})[:3], "duration_s": run.duration,
+           "retried_503": sum(r.retries_503 for r in run.results),
+           "requests_retried": sum(r.retries_503 > 0 for r in run.results),
            "request_throughput": len(ok) / span if ok else 0.0,
            "output_throughput": sum(r.output_tokens for r in ok) / span if ok else 0.0,
            "output_tokens": sum(r.output_tokens for r in ok)}
@@ -274,9 +311,9 @@ def saturation_rate(summaries: list[dict]) -> float | None:
 
 
 def run_sweep(url: str, requests: list[LoadRequest], rates: list[float], model: str | None = None,
-              seed: int = 0, timeout: float = 120.0, progress: bool = True) -> list[dict]:
+              seed: int = 0, timeout: float = 120.0, progress: bool = True, max_retries: int = 5) -> list[dict]:
     """One bounded run per rate, lowest first, the same requests every time."""
-    return [LoadTest(url, requests, rate, model, seed, timeout, progress=progress).wait()
+    return [LoadTest(url, requests, rate, model, seed, timeout, progress=progress, max_retries=max_retries).wait()
             for rate in sorted(rates)]
 
 
@@ -284,7 +321,8 @@ def run_sweep(url: str, requests: list[LoadRequest], rates: list[float], model: 
 def load_table(summaries: list[dict]) -> str:
     """One markdown row per rate."""
     head = ["rate (req/s)", "offered", "served req/s", "saturated", "output tok/s", "TTFT p50 ms", "TTFT p90 ms", "TTFT p99 ms",
-            "TPOT p50 ms", "TPOT p90 ms", "TPOT p99 ms", "peak KV usage", "peak running / waiting", "failed"]
+            "TPOT p50 ms", "TPOT p90 ms", "TPOT p99 ms", "peak KV usage", "peak running / waiting",
+            "503s retried", "failed"]
     rows = []
     for s in summaries:
         rows.append([f"{s['rate']:g}", f"{s['offered_rate']:.2f}", f"{s['request_throughput']:.2f}",
@@ -292,7 +330,7 @@ def load_table(summaries: list[dict]) -> str:
                      *(f"{s[f'{m}_p{q}_ms']:,.1f}" for m in ("ttft", "tpot") for q in (50, 90, 99)),
                      f"{s.get('peak_kv_cache_usage', float('nan')):.1%}",
                      f"{s.get('peak_running', 0):.0f} / {s.get('peak_waiting', 0):.0f}",
-                     f"{s['failed']}/{s['num_requests']}"])
+                     f"{s.get('retried_503', 0)}", f"{s['failed']}/{s['num_requests']}"])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
 
@@ -335,10 +373,12 @@ def bench_url(args) -> str:
     suffix = tuple(args.prompt_len or (16, 64))
     output = tuple(args.output_len or (32, 32))
     requests = bench_requests(args.model, n, prefix_len, suffix, output, args.workload_seed)
-    summaries = run_sweep(args.url, requests, rates, seed=args.workload_seed, progress=args.progress)
+    summaries = run_sweep(args.url, requests, rates, seed=args.workload_seed, progress=args.progress,
+                          max_retries=args.max_retries)
     text = (f"{args.url}: {n} requests per rate, Poisson arrivals (seed {args.workload_seed}), a shared "
             f"{prefix_len}-token system prompt + {suffix[0]}-{suffix[1]} tokens each, "
-            f"{output[0]}-{output[1]} output tokens (ignore_eos), streamed\n\n"
+            f"{output[0]}-{output[1]} output tokens (ignore_eos), streamed; 503s retried after their Retry-After "
+            f"(at most {args.max_retries} times)\n\n"
             + load_table(summaries) + "\n\n" + saturation_line(summaries))
     if args.out:
         Path(args.out).write_text(text + "\n")

@@ -1,12 +1,15 @@
 """The server's Prometheus metrics, named as vLLM names them with an `llmopt:` prefix.
 
-Three kinds of numbers, as an operator's dashboard reads them:
+Four kinds of numbers, as an operator's dashboard reads them:
 - gauges of the engine's state now: requests running and waiting, KV cache usage;
 - counters that only grow: tokens, finished requests by reason, preemptions, prefix-cache
   queries and hits, speculative drafts and accepted tokens (the engine keeps the running
   totals; each step adds what changed);
 - histograms of latencies per request: time to first token (TTFT), inter-token latency
-  (ITL, whose mean per request is its TPOT), end-to-end latency, time spent queued.
+  (ITL, whose mean per request is its TPOT), end-to-end latency, time spent queued;
+- what admission control turned away (admission.py): requests refused with 503, by reason
+  ("overloaded": the waiting queue was full; "unavailable": loading, draining or failed), and
+  requests aborted at their deadline.
 
 Everything is recorded from the engine's thread after each step; `GET /metrics` renders
 the registry as Prometheus text. Each server has its own registry, so several can live in
@@ -55,6 +58,10 @@ class ServerMetrics:
             labels + ["position"], registry=r)
         self.request_success = Counter("llmopt:request_success", "Finished requests, by finish reason.",
                                        labels + ["finished_reason"], registry=r)
+        self.request_rejected = Counter("llmopt:request_rejected", "Requests refused with 503, by reason.",
+                                        labels + ["reason"], registry=r)
+        self.request_timeouts = Counter("llmopt:request_timeouts", "Requests aborted at their deadline.",
+                                        labels, registry=r)
         self.ttft = Histogram("llmopt:time_to_first_token_seconds", "Arrival to first generated token.",
                               labels, buckets=LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("llmopt:inter_token_latency_seconds", "Time between two generated tokens.",
@@ -65,10 +72,14 @@ class ServerMetrics:
                                     labels, buckets=E2E_BUCKETS, registry=r)
         # Children exist from the start, so every series is scraped (at 0) before its first event.
         for metric in (self.num_requests_running, self.num_requests_waiting, self.kv_cache_usage,
-                       self.ttft, self.itl, self.e2e, self.queue_time, *self.counters.values()):
+                       self.ttft, self.itl, self.e2e, self.queue_time, self.request_timeouts,
+                       *self.counters.values()):
             metric.labels(model_name)
         for reason in ("stop", "length", "abort", "error"):
             self.request_success.labels(model_name, reason)
+        for reason in ("overloaded", "unavailable"):
+            self.request_rejected.labels(model_name, reason)
+        self.on_queue_time = None  # called with each request's queue time (admission sizes Retry-After by it)
         self._totals: dict[str, float] = {}
         self._tokens_seen: dict[str, int] = {}  # request id -> tokens already observed
 
@@ -101,6 +112,8 @@ class ServerMetrics:
                 self.ttft.labels(name).observe(times[0] - m.arrival_time)
                 if m.first_scheduled_time is not None:
                     self.queue_time.labels(name).observe(m.first_scheduled_time - m.arrival_time)
+                    if self.on_queue_time is not None:
+                        self.on_queue_time(m.first_scheduled_time - m.arrival_time)
             for a, b in zip(times[max(seen - 1, 0):], times[max(seen, 1):]):
                 self.itl.labels(name).observe(b - a)
             self._tokens_seen[rid] = len(times)
@@ -112,6 +125,13 @@ class ServerMetrics:
         self.request_success.labels(self.model_name, reason or "abort").inc()
         if reason not in ("abort", "error") and m.finished_time is not None:
             self.e2e.labels(self.model_name).observe(m.finished_time - m.arrival_time)
+
+    # -- from the event loop (prometheus_client's metrics are thread-safe) ---------------------
+    def rejected(self, reason: str) -> None:
+        self.request_rejected.labels(self.model_name, reason).inc()
+
+    def timed_out(self) -> None:
+        self.request_timeouts.labels(self.model_name).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

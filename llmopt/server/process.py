@@ -10,6 +10,7 @@ process, reached only over HTTP, as any client would reach it.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -50,23 +51,46 @@ class ServerProcess:
 
     def start(self, timeout: float = 180.0) -> ServerProcess:
         """Start the server and wait until /health answers 200 (the model is loaded)."""
+        return self.launch().wait_ready(timeout)
+
+    def launch(self) -> ServerProcess:
+        """Start the process and return at once (see wait_ready, start_all)."""
         log = tempfile.NamedTemporaryFile("w", prefix="llmopt-serve-", suffix=".log", delete=False)
         self.log_path = log.name
         self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, env=self.env)
         log.close()
+        return self
+
+    def wait_ready(self, timeout: float = 180.0) -> ServerProcess:
+        """Poll /health until it answers 200; `health_seen` keeps each state it reported on the
+        way ("no answer" while the port is closed, then "loading", then "ok")."""
+        if self.proc is None:
+            raise RuntimeError("the server was never launched")
+        self.health_seen: list[str] = []
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"llmopt serve exited with {self.proc.returncode} while starting:\n{self.log()}")
-            try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
-                    if r.status == 200:
-                        return self
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
+            state = self._health()
+            if not self.health_seen or self.health_seen[-1] != state:
+                self.health_seen.append(state)
+            if state == "ok":
+                return self
             time.sleep(0.2)
         self.stop(signal.SIGKILL)
         raise RuntimeError(f"llmopt serve did not answer /health within {timeout} s:\n{self.log()}")
+
+    def _health(self) -> str:
+        try:
+            with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
+                return json.loads(r.read()).get("status", "?")
+        except urllib.error.HTTPError as e:  # 503 while loading, draining or failed
+            try:
+                return json.loads(e.read()).get("status", "?")
+            except ValueError:
+                return f"HTTP {e.code}"
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            return "no answer"
 
     def log(self) -> str:
         if self.log_path is None:
@@ -94,3 +118,19 @@ class ServerProcess:
     def __exit__(self, *exc) -> None:
         if self.stop() == 0 and self.log_path is not None:
             os.unlink(self.log_path)  # kept for a look when the exit was not clean
+
+
+def start_all(servers: list[ServerProcess], timeout: float = 180.0) -> list[ServerProcess]:
+    """Launch every server, then wait for each: they load their models at the same time.
+    If one fails to start, the others are stopped before the error is raised."""
+    try:
+        for s in servers:
+            s.launch()
+        for s in servers:
+            s.wait_ready(timeout)
+    except BaseException:
+        for s in servers:
+            if s.proc is not None:
+                s.stop(signal.SIGKILL)
+        raise
+    return servers

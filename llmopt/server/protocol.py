@@ -31,8 +31,10 @@ class APIError(Exception):
     """An HTTP error answered in OpenAI's error JSON."""
 
     def __init__(self, message: str, status: int = 400, param: str | None = None,
-                 type: str = "invalid_request_error", code: str | None = None):
+                 type: str = "invalid_request_error", code: str | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
+        self.headers = headers  # e.g. Retry-After on a 503
         # a lone surrogate echoed from the request (say, an unknown field's name) has no UTF-8
         message, param = (_printable(v) for v in (message, param))
         self.message, self.status, self.param, self.type, self.code = message, status, param, type, code
