@@ -15,7 +15,7 @@ def tokens(outs):
     return [o.outputs[0].token_ids for o in outs]
 
 
-@pytest.mark.parametrize("exit_layer", [1, 4])
+@pytest.mark.parametrize("exit_layer", [2])
 def test_layer_skip_greedy_equals_plain(tiny_llm, one_thread, exit_layer):
     plain = tokens(tiny_llm.generate(PROMPTS, GREEDY, use_tqdm=False))
     llm = LLM(model="tiny", speculative_config={"method": "layer_skip", "exit_layer": exit_layer,
