@@ -79,7 +79,7 @@ def wait_idle(servers, timeout=60.0):
             if m["llmopt:num_requests_running"] == 0 and m["llmopt:num_requests_waiting"] == 0:
                 break
             time.sleep(0.2)
-    time.sleep(2.5)  # nginx's fail_timeout (2 s): a replica marked failed is back in rotation
+    time.sleep(1.5)  # nginx's fail_timeout (1 s): a replica marked failed is back in rotation
 
 
 async def post(client, url, payload, timeout=None):
@@ -218,7 +218,7 @@ def test_dashboard_has_the_panels_and_reads_only_exported_metrics(replicas):
 def test_overload_is_503_with_retry_after_and_a_client_that_retries_gets_through(lb, replicas):
     wait_idle(replicas)
     before = sum(metrics(s.url)["llmopt:request_rejected_total"] for s in replicas)
-    results = post_all(lb.url, [body(64) for _ in range(30)])
+    results = post_all(lb.url, [body(48) for _ in range(24)])
     statuses = [r["status"] for r in results]
     refused = [r for r in results if r["status"] == 503]
     assert statuses.count(200) >= 6 and refused, statuses  # 3 replicas x (2 running + 3 waiting) hold 15
@@ -230,10 +230,10 @@ def test_overload_is_503_with_retry_after_and_a_client_that_retries_gets_through
     assert after > before
 
     wait_idle(replicas)
-    run = LoadTest(lb.url, [LoadRequest(PROMPT, 32) for _ in range(24)], rate=float("inf"), model="tiny",
+    run = LoadTest(lb.url, [LoadRequest(PROMPT, 16) for _ in range(20)], rate=float("inf"), model="tiny",
                    max_retries=20, metrics_url=replicas[0].url)
     summary = run.wait()
-    assert summary["completed"] == 24 and summary["failed"] == 0, summary["errors"]
+    assert summary["completed"] == 20 and summary["failed"] == 0, summary["errors"]
     assert summary["retried_503"] > 0 and summary["requests_retried"] > 0
 
 
@@ -273,7 +273,8 @@ def test_a_request_past_its_deadline_is_aborted(replicas):
 def test_a_replica_killed_under_load_fails_no_request_that_had_not_started_streaming(lb, replicas):
     wait_idle(replicas)
     victim = replicas[0]
-    payloads = [body(120, stream=i % 2 == 0) for i in range(9)]
+    # 2 per replica: once the victim's are retried, the two left hold 3 each, within their 2 + 3 places
+    payloads = [body(96, stream=i % 2 == 0) for i in range(6)]
     killer = threading.Timer(1.5, lambda: victim.proc.send_signal(signal.SIGKILL))
     killer.start()
     try:
@@ -324,9 +325,11 @@ def test_a_draining_replica_finishes_its_streams_and_gets_no_new_requests(lb, re
     except httpx.HTTPError:
         health = "closed"
     assert health != 200, "a draining replica must not report ready"
-    results = post_all(lb.url, [body(8) for _ in range(6)])
-    assert all(r["status"] == 200 for r in results), [(r["status"], r.get("json")) for r in results]
-    assert all(upstreams(r)[-1] != drain_addr for r in results), [r["headers"].get("x-upstream") for r in results]
+    # one at a time: the one replica left holds 2 running + 3 waiting, and a burst would be refused
+    results = [httpx.post(f"{lb.url}/v1/completions", json=body(8), timeout=60) for _ in range(6)]
+    assert all(r.status_code == 200 for r in results), [(r.status_code, r.text) for r in results]
+    tried = [r.headers["x-upstream"] for r in results]
+    assert all(t.split(",")[-1].strip() != drain_addr for t in tried), tried
     t.join(120)
     assert got["finish"] == "length" and len(got["text"]) > 0
     assert draining.proc.wait(60) == 0, draining.log()

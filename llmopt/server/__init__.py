@@ -7,7 +7,12 @@
     metrics.py       Prometheus metrics (`llmopt:` prefix), recorded after each engine step
     api_server.py    the FastAPI app, server-sent events, graceful shutdown
     security.py      the API key on /v1 routes, CORS (nothing cross-origin unless allowed)
-    load.py          a load generator: Poisson arrivals, streaming clients, TTFT / TPOT / throughput
+    admission.py     overload and deadlines: a bounded waiting queue (503 + Retry-After), a deadline per request
+    lifecycle.py     loading -> ready -> draining, as /health reports it to a load balancer
+    load.py          a load generator: Poisson arrivals, streaming clients, TTFT / TPOT / throughput,
+                     503s retried after their Retry-After
+    process.py       `llmopt serve` as a child process (tests, benchmarks, lessons)
+    nginx.py         deploy/nginx.conf rendered for loopback replicas, nginx as a child process
 """
 
 from llmopt.server.api_server import build_app, serve

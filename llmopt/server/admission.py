@@ -5,7 +5,8 @@ request's wait, grows for as long as the overload lasts, clients time out on req
 server will still spend compute on, and a load balancer cannot tell a busy replica from an
 idle one. Two limits turn that into fast, explicit answers:
 
-1. a bound on the requests waiting for admission (`--max-waiting-requests`): past it a new
+1. a bound on the requests waiting for admission (`--max-waiting-requests`; those the running
+   batch has free places for do not count, as they start at the next step): past it a new
    request is refused at once with 503 and a `Retry-After` header, so that a load balancer
    tries another replica and a client backs off instead of piling on. The header's value is
    how long requests have recently waited in the queue (at least 1 s): by then, about one
@@ -59,7 +60,7 @@ class AdmissionControl:
         self._queue_times: deque[float] = deque(maxlen=self.RECENT)
 
     def check(self, num_waiting: int) -> None:
-        """Refuse a new request if `num_waiting` requests already wait for admission."""
+        """Refuse a new request if `num_waiting` requests already wait for a place in the running batch."""
         bound = self.max_waiting_requests
         if bound is not None and num_waiting >= bound:
             raise Overloaded(f"the server is overloaded: {num_waiting} requests are waiting (at most {bound}); "

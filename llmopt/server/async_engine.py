@@ -60,6 +60,7 @@ class AsyncLLM:
         self._new: list[tuple] = []       # (request_id, text, token ids, params, priority, arrival)
         self._aborts: list[str] = []
         self._engine_waiting = 0          # in the engine's waiting queue, as of the engine thread's last look
+        self._engine_running = 0          # in its running batch, likewise
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopping = False
         self.accepting = True
@@ -110,7 +111,9 @@ class AsyncLLM:
         deadline = None if limit is None else arrival + limit
         queue: asyncio.Queue = asyncio.Queue()
         with self._lock:  # the count and the append together: two requests cannot both take the last place
-            self.admission.check(len(self._new) + self._engine_waiting)
+            # Those the running batch has room for start at the next step: only the rest will wait.
+            free = max(0, self.engine.config.max_num_seqs - self._engine_running)
+            self.admission.check(max(0, len(self._new) + self._engine_waiting - free))
             self._streams[request_id] = (asyncio.get_running_loop(), queue)
             self._new.append((request_id, text, token_ids, params, priority, arrival))
         self._wake.set()
@@ -203,6 +206,7 @@ class AsyncLLM:
         m = self.engine.get_metrics()
         with self._lock:
             self._engine_waiting = int(m["num_requests_waiting"])
+            self._engine_running = int(m["num_requests_running"])
         self.metrics.record_engine(m)
 
     def _fail_everything(self, error: Exception) -> list[RequestOutput]:
