@@ -1,0 +1,50 @@
+"""benchmarks/gpu_check.py cannot rot while no GPU is at hand: its dry run (the same sections
+and code paths, on the CPU through Triton's interpreter, tiny shapes, no timings) completes
+with every section ok, and writes the JSON and markdown reports the GPU run would."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_gpu_check_dry_run_passes_every_section(tmp_path):
+    md, js = tmp_path / "gpu_check.md", tmp_path / "gpu_check.json"
+    env = dict(os.environ, TRITON_INTERPRET="1", HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--dry-run",
+                        "--out", str(md), "--json", str(js)], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=900)
+    assert js.is_file(), f"no report written (exit {r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    report = json.loads(js.read_text())
+    bad = {s["name"]: (s["status"], s["error"], [c for c in s["checks"] if not c["ok"]])
+           for s in report["sections"] if s["status"] != "ok"}
+    assert not bad, f"sections not ok: {bad}\n{r.stdout[-3000:]}"
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert report["dry_run"] and report["total_budget_s"] <= 480
+    names = [s["name"] for s in report["sections"]]
+    assert names[:3] == ["env", "cuda-tests", "kernels"] and "smollm2-throughput" in names
+    assert all(s["checks"] for s in report["sections"]), "every section checks something"
+    text = md.read_text()
+    assert all(f"| {n} | ok |" in text for n in names)
+
+
+def test_gpu_check_refuses_to_time_a_cpu_as_a_gpu():
+    """Without --dry-run on a machine without CUDA it says what to run instead, and stops."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device")
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py")], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--dry-run" in r.stderr
+
+
+def test_gpu_check_names_unknown_sections():
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--dry-run", "--only",
+                        "kernelz"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "kernelz" in r.stderr and "kernels" in r.stderr
