@@ -172,7 +172,6 @@ def decode_and_prefill(run, llm, batch, prompt_len, new) -> dict:
     them into FLOP/s and bytes/s with the model's own sizes."""
     from llmopt.bench import BenchRequest, heldout_tokens
 
-    cfg = llm.llm_engine.model_config if hasattr(llm.llm_engine, "model_config") else None
     model = llm.model
     stream = heldout_tokens(llm.tokenizer)
     reqs = [BenchRequest(stream[i * 7:i * 7 + prompt_len], new) for i in range(batch)]
@@ -182,8 +181,7 @@ def decode_and_prefill(run, llm, batch, prompt_len, new) -> dict:
     cache = llm.llm_engine.kv_cache
     layers, kv_heads, head_dim = len(cache.k), cache.k[0].shape[2], cache.k[0].shape[3]
     kv_bytes_per_token = 2 * layers * kv_heads * head_dim * cache.k[0].element_size()
-    heads = model.config.num_attention_heads if hasattr(model, "config") else kv_heads
-    del cfg
+    heads = llm.llm_engine.model_config.num_attention_heads
 
     # prefill: every prompt once, one token sampled
     seconds, _ = run.wall(lambda: llm.generate([r.prompt() for r in reqs],
@@ -198,17 +196,19 @@ def decode_and_prefill(run, llm, batch, prompt_len, new) -> dict:
     engine = llm.llm_engine
     for i, r in enumerate(reqs):
         engine.add_request(f"decode-{i}", r.prompt(), r.params())
-    decode_s, decode_bytes, steps = 0.0, 0, 0
+    decode_s, decode_bytes, steps, decoded = 0.0, 0, 0, 0
     while engine.has_unfinished_requests():
+        running = engine.scheduler.running
         waiting = len(engine.scheduler.waiting) or any(
-            s.num_computed_tokens < len(s.prompt_token_ids) for s in engine.scheduler.running)
-        context = sum(s.num_computed_tokens for s in engine.scheduler.running)
+            s.num_computed_tokens < len(s.prompt_token_ids) for s in running)
+        context, seqs = sum(s.num_computed_tokens for s in running), len(running)
         dt, _ = run.wall(engine.step)
-        if not waiting:
+        if not waiting:  # a pure decode step: one token for each running sequence
             decode_s += dt
             steps += 1
+            decoded += seqs
             decode_bytes += weight_bytes + context * kv_bytes_per_token
-    out.update(decode_steps=steps, decode_s=decode_s, decode_tokens_per_s=steps * batch / max(decode_s, 1e-9),
+    out.update(decode_steps=steps, decode_s=decode_s, decode_tokens_per_s=decoded / max(decode_s, 1e-9),
                decode_GBps=decode_bytes / max(decode_s, 1e-9) / 1e9, weight_bytes=weight_bytes)
     return out
 
@@ -286,13 +286,14 @@ def variant_row(run, name, llm, reqs, base_tokens, base_blocks=None):
     return tokens, row, ppl
 
 
-HEAD = ["configuration", "greedy vs bf16 (identical, prefix)", "perplexity (held out)", "decode tokens/s",
+HEAD = ["configuration", "greedy vs bf16 (identical, prefix)", "perplexity (held out)",
+        "decode tokens/s (128 sequences, 256-320 tokens)",
         "KV blocks in the same memory", "quantized linear bytes"]
 
 
 def section_smollm2_fp8(run) -> None:
     folder = smollm2_folder(run)
-    base = make_llm(run, folder)
+    base = make_llm(run, folder, max_num_seqs=128)
     reqs = prompts(run, base.tokenizer, 16)
     base_tokens, base_row, base_ppl = variant_row(run, "bf16", base, reqs, None)
     base_blocks = base.llm_engine.num_blocks
@@ -304,7 +305,7 @@ def section_smollm2_fp8(run) -> None:
                      ("both", dict(quantization="fp8", kv_cache_dtype="fp8", calculate_kv_scales=True))):
         if not run.has_time(8):
             break
-        llm = make_llm(run, folder, **kw)
+        llm = make_llm(run, folder, max_num_seqs=128, **kw)
         _, row, ppl = variant_row(run, name, llm, reqs, base_tokens, base_blocks)
         rows.append(row)
         run.check(f"{name}: perplexity within 10% of bf16", ppl < 1.1 * base_ppl, f"{ppl:.3f} vs {base_ppl:.3f}")
@@ -317,7 +318,7 @@ def section_smollm2_w4a16(run) -> None:
     from llmopt.quant import quantize
 
     folder = smollm2_folder(run)
-    base = make_llm(run, folder)
+    base = make_llm(run, folder, max_num_seqs=128)
     reqs = prompts(run, base.tokenizer, 16)
     base_tokens, base_row, base_ppl = variant_row(run, "bf16", base, reqs, None)
     del base
@@ -326,7 +327,7 @@ def section_smollm2_w4a16(run) -> None:
     seconds, _ = run.wall(lambda: quantize(str(folder), method="rtn", bits=4, group_size=64, out=str(out),
                                            device=run.device, progress=False))
     run.note(f"RTN 4-bit, group 64 (576 = 9 x 64) quantized in {seconds:.1f} s")
-    llm = make_llm(run, out)
+    llm = make_llm(run, out, max_num_seqs=128)
     _, row, ppl = variant_row(run, "W4A16 (RTN, group 64, GPTQ layout)", llm, reqs, base_tokens)
     if run.device == "cuda":  # the Triton kernel runs only on CUDA; on a CPU the dense copy does
         from llmopt.layers.linear import GPTQLinear
