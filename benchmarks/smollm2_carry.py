@@ -156,45 +156,47 @@ def prepare(carry_root: Path) -> Path:
     return out
 
 
-def compare(carry: Path, prompts: int = 8, max_tokens: int = 32) -> dict:
-    """The rebuilt model against LLM(model="smollm2") on the CPU (float32): greedy tokens on
-    held-out code and chat prompts, and held-out perplexity of both."""
-    import tempfile
+QUESTIONS = ("What is the capital of France?", "Write a haiku about the sea.", "Explain recursion in one sentence.")
 
+
+def measure(model: str, prompts: int = 6, max_tokens: int = 24, ppl_tokens: int = 2048, with_hf: bool = False) -> dict:
+    """Greedy tokens on held-out code prompts and chat questions, and held-out perplexity, of one
+    model through the engine on the CPU in float32 (and, with_hf, transformers' greedy tokens)."""
     from llmopt import LLM, SamplingParams
     from llmopt.bench import heldout_tokens, make_requests
     from llmopt.eval import perplexity
 
+    llm = LLM(model=model, dtype="float32", enable_prefix_caching=False)
+    reqs = make_requests(heldout_tokens(llm.tokenizer), prompts, (32, 96), (max_tokens, max_tokens))
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    got = llm.generate([r.prompt() for r in reqs], params, use_tqdm=False)
+    chat = llm.chat([[{"role": "user", "content": q}] for q in QUESTIONS],
+                    SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=False)
+    out = {"tokens": [o.outputs[0].token_ids for o in got] + [o.outputs[0].token_ids for o in chat],
+           "chat": [o.outputs[0].text for o in chat], "perplexity": perplexity(llm, max_tokens=ppl_tokens)}
+    if with_hf:  # transformers reads the same folder, to the same tokens
+        from transformers import AutoModelForCausalLM
+
+        from gpu_engine import agreement, hf_greedy
+
+        hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+        same, share = agreement(out["tokens"][:prompts], hf_greedy(hf, reqs))
+        out["engine_vs_transformers"] = f"{same}/{prompts} identical, {100 * share:.0f}% prefix"
+    return out
+
+
+def compare(carry: Path, **kw) -> dict:
+    """The rebuilt model against LLM(model="smollm2") on the CPU (float32)."""
+    import tempfile
+
+    from gpu_engine import agreement
+
+    base = measure("smollm2", **kw)
     with tempfile.TemporaryDirectory() as tmp:
-        folder = rebuild(Path(carry) / "smollm2", Path(tmp) / "smollm2")
-        result = {}
-        outs = {}
-        for name, model in (("smollm2", "smollm2"), ("rebuilt", str(folder))):
-            llm = LLM(model=model, dtype="float32", enable_prefix_caching=False)
-            reqs = make_requests(heldout_tokens(llm.tokenizer), prompts, (32, 96), (max_tokens, max_tokens))
-            params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-            got = llm.generate([r.prompt() for r in reqs], params, use_tqdm=False)
-            chat = llm.chat([[{"role": "user", "content": q}] for q in
-                             ("What is the capital of France?", "Write a haiku about the sea.",
-                              "Explain recursion in one sentence.")],
-                            SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=False)
-            outs[name] = [o.outputs[0].token_ids for o in got] + [o.outputs[0].token_ids for o in chat]
-            result[f"{name}_chat"] = [o.outputs[0].text for o in chat]
-            result[f"{name}_perplexity"] = perplexity(llm, max_tokens=4096)
-            if name == "rebuilt":  # transformers reads the rebuilt folder too, to the same tokens
-                from transformers import AutoModelForCausalLM
-
-                from gpu_engine import agreement, hf_greedy
-
-                hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
-                same, share = agreement(outs[name][:prompts], hf_greedy(hf, reqs))
-                result["rebuilt_engine_vs_transformers"] = f"{same}/{prompts} identical, {100 * share:.0f}% prefix"
-            del llm
-    a, b = outs["smollm2"], outs["rebuilt"]
-    result["identical_sequences"] = f"{sum(x == y for x, y in zip(a, b))}/{len(a)}"
-    same = sum(next((i for i, (p, q) in enumerate(zip(x, y)) if p != q), min(len(x), len(y))) for x, y in zip(a, b))
-    result["tokens_before_first_difference"] = f"{same}/{sum(len(x) for x in a)}"
-    return result
+        rebuilt = measure(str(rebuild(Path(carry) / "smollm2", Path(tmp) / "smollm2")), with_hf=True, **kw)
+    same, share = agreement(rebuilt["tokens"], base["tokens"])
+    return {"smollm2": base, "rebuilt": rebuilt, "identical_sequences": f"{same}/{len(base['tokens'])}",
+            "share_of_tokens_before_first_difference": share}
 
 
 if __name__ == "__main__":
@@ -209,6 +211,6 @@ if __name__ == "__main__":
     ap.add_argument("--compare", action="store_true", help="measure the rebuilt model against smollm2 on the CPU")
     args = ap.parse_args()
     if args.compare:
-        print(json.dumps(compare(args.carry), indent=1))
+        print(json.dumps(compare(args.carry), indent=1, default=str))
     else:
         prepare(args.carry)
