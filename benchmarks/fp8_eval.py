@@ -169,7 +169,7 @@ def render(rows: list[dict], args, command: str, seconds: float) -> str:
         "",
         "GPU: " + (f"this run used {torch.cuda.get_device_name()}." if torch.cuda.is_available() else
                    "this run had no CUDA device, so every FP8 number above comes from the exact CPU "
-                   "emulation (fp8 storage, math in fp32); `benchmarks/gpu_fp8.py` checks and times the "
+                   "emulation (fp8 storage, math in fp32); `benchmarks/gpu_check.py` checks and times the "
                    "native paths on a GPU and has not been run for this table."),
         "",
     ])

@@ -59,6 +59,7 @@ def test_fp8_linear_static_input_scale():
     torch.testing.assert_close(m(x), want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not native_fp8_supported(), reason="needs a CUDA GPU with compute capability >= 8.9")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_native_fp8_matmul_equals_the_emulation(dtype):

@@ -1,0 +1,391 @@
+"""One command that proves every CUDA path of llmopt and measures it, in under 8 minutes on one GPU.
+
+GPU time is short and rare, so this script is prepared ahead and runs everything in one
+process, in sections, each guarded: a section that fails or raises is recorded with its error
+and the script goes on; each has a time budget (checked between steps, and a hard alarm at
+1.5x), so the whole fits 8 minutes on an H200 (in the dry run the budgets count CPU seconds). The sections, in order:
+
+1. `env`: the device, versions, and the ceilings measured in place (copy bandwidth, bf16
+   matmul FLOP/s; the H200's ~4.3 TB/s and ~790 TFLOP/s are the fallbacks).
+2. `cuda-tests`: `pytest -m cuda` (the tests that only run on a CUDA device), in-process.
+3. `kernels`: every Triton kernel compiled against its torch reference on the engine's
+   shapes (gpu_kernels.py): paged attention in bf16 / fp16 / fp8 pools, block sizes 16 and
+   32, GQA groups 1-8, SmolLM2's heads (head_dim 64, 9 heads on 3 KV heads); W4A16 in both
+   layouts; RMSNorm; FP8 `write_kv` bytes and the native `_scaled_mm` path.
+4. `kernel-timings`: decode attention over bf16 vs fp8 pools, W4A16 vs bf16 and fp8 vs bf16
+   matmuls at SmolLM2's and at large shapes, as shares of the ceilings.
+5. `engine-tiny`, `smollm2-*`: the engine in bf16 on the bundled model and on SmolLM2
+   (rebuilt from `.gpu_carry/`, see smollm2_carry.py): greedy tokens equal to transformers' on
+   the GPU, offline throughput against transformers' static batching on the same requests,
+   decode bandwidth and prefill FLOP/s as shares of the ceilings, FP8 KV / FP8 weights and
+   W4A16 against bf16 (gpu_engine.py).
+
+    python benchmarks/gpu_check.py --prepare     # here, once: SmolLM2 into .gpu_carry/ (~30 MB)
+    python benchmarks/gpu_check.py               # on the GPU: results/gpu_check.{md,json}
+    python benchmarks/gpu_check.py --dry-run     # on a CPU: the same code paths, tiny shapes,
+                                                 # Triton's interpreter, timings skipped
+
+The dry run is what keeps this script from rotting while no GPU is at hand:
+tests/test_gpu_check.py runs it in CI and asserts every section ends "ok". It checks the
+same things at sizes a CPU runs in about a minute (fp16 where the GPU uses bf16: the
+interpreter cannot compute in bfloat16), and runs the SmolLM2 sections on the bundled model
+packed and rebuilt through the same carry format.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+CARRY_DIR = ROOT / ".gpu_carry"
+# What the script's wall time must stay under on one H200, start-up included.
+TOTAL_BUDGET_S = 480
+
+
+@dataclass
+class Section:
+    """One guarded part of the run and what it found."""
+
+    name: str
+    budget_s: float
+    status: str = "not run"       # ok | failed (a check did not hold) | error | timeout | skipped
+    seconds: float = 0.0
+    cpu_seconds: float = 0.0      # this process's CPU time: on a shared CPU, what the section cost
+    checks: list[dict] = field(default_factory=list)
+    tables: list[dict] = field(default_factory=list)
+    numbers: dict = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    error: str | None = None
+
+
+class OverBudget(BaseException):
+    """Raised inside a section by the hard alarm, at 1.5x its budget. A BaseException, as
+    KeyboardInterrupt is, so that code which turns errors into failed requests (the engine's
+    step does) lets it through."""
+
+
+class Run:
+    """What every section receives: the device, the mode, the clock, and where to record."""
+
+    def __init__(self, device: str, dry_run: bool, carry: Path, work: Path):
+        import torch
+
+        self.device, self.dry_run, self.carry, self.work = device, dry_run, carry, work
+        # The interpreter keeps tensors in numpy, which has no bfloat16: fp16 stands in for it.
+        self.bf16 = torch.float16 if dry_run else torch.bfloat16
+        self.ceilings = {"bandwidth_GBps": 4300.0, "bf16_TFLOPs": 790.0, "measured": False}
+        self.section: Section | None = None
+        self._deadline = 0.0
+        # The budgets are wall-clock seconds on the GPU. The dry run counts this process's CPU
+        # seconds instead: a CI machine shared with other jobs stretches wall time, not CPU time.
+        self.clock = time.process_time if dry_run else time.monotonic
+        self.shared: dict = {}    # what one section leaves for later ones (the rebuilt model's path)
+
+    # -- recording --------------------------------------------------------------------------------------
+    def check(self, name: str, ok: bool, detail: str = "") -> bool:
+        self.section.checks.append({"name": name, "ok": bool(ok), "detail": detail})
+        print(f"  [{'ok' if ok else 'FAIL'}] {name}{': ' + detail if detail else ''}", flush=True)
+        return bool(ok)
+
+    def table(self, title: str, head: list[str], rows: list[list]) -> None:
+        self.section.tables.append({"title": title, "head": head, "rows": [[str(c) for c in r] for r in rows]})
+
+    def note(self, text: str) -> None:
+        self.section.notes.append(text)
+        print(f"  note: {text}", flush=True)
+
+    # -- time ---------------------------------------------------------------------------------------------
+    def time_left(self) -> float:
+        return self._deadline - self.clock()
+
+    def has_time(self, seconds: float = 0.0) -> bool:
+        """False once the section's budget is spent (then the caller stops adding work and says so)."""
+        if self.time_left() > seconds:
+            return True
+        self.note("budget spent: the remaining steps of this section were not run")
+        return False
+
+    def timed(self, fn, warmup: int = 2, iters: int = 10) -> float | None:
+        """Median milliseconds of fn() on the device (CUDA events); None in the dry run."""
+        if self.dry_run:
+            fn()
+            return None
+        import statistics
+
+        import torch
+
+        for _ in range(warmup):
+            fn()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(iters):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        return statistics.median(times)
+
+    def wall(self, fn) -> tuple[float, object]:
+        """(seconds, result) of fn() with the device synchronized on both sides."""
+        import torch
+
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = fn()
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0, out
+
+
+def run_section(run: Run, section: Section, fn) -> None:
+    """Run one section under its budget; whatever happens, record it and return."""
+    run.section = section
+    print(f"\n== {section.name} (budget {section.budget_s:.0f} s)", flush=True)
+    t0, cpu0 = time.monotonic(), time.process_time()
+    run._deadline = run.clock() + section.budget_s
+
+    def alarm(signum, frame):
+        raise OverBudget(f"over 1.5x its budget of {section.budget_s:.0f} s")
+
+    # the same two clocks: real time on the GPU, this process's CPU time (SIGPROF) in the dry run
+    timer, signum = ((signal.ITIMER_PROF, getattr(signal, "SIGPROF", None)) if run.dry_run
+                     else (signal.ITIMER_REAL, getattr(signal, "SIGALRM", None)))
+    use_alarm = signum is not None
+    if use_alarm:
+        previous = signal.signal(signum, alarm)
+        signal.setitimer(timer, 1.5 * section.budget_s)
+    try:
+        fn(run)
+        failed = [c["name"] for c in section.checks if not c["ok"]]
+        section.status = "failed" if failed else "ok"
+    except OverBudget as e:
+        section.status, section.error = "timeout", str(e)
+    except Exception as e:  # noqa: BLE001 - the point of a guard: record it and go on
+        section.status = "error"
+        section.error = f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=8)}"
+    finally:
+        if use_alarm:
+            signal.setitimer(timer, 0)
+            signal.signal(signum, previous)
+        section.seconds, section.cpu_seconds = time.monotonic() - t0, time.process_time() - cpu0
+        try:  # leave the device clean for the next section
+            import gc
+
+            import torch
+
+            gc.collect()  # engines hold reference cycles: free their pools now
+            if run.device == "cuda":
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()
+        except Exception as e:  # noqa: BLE001 - a broken context is reported by the next section
+            section.notes.append(f"device not clean after the section: {e}")
+    print(f"== {section.name}: {section.status} in {section.seconds:.1f} s ({section.cpu_seconds:.1f} s CPU)"
+          + (f"\n{section.error}" if section.error else ""), flush=True)
+
+
+def import_llmopt_from_checkout() -> None:
+    """A bare GPU machine has llmopt's dependencies but not llmopt: import it from this checkout,
+    with `llmopt.kernels` read from kernels/ as pyproject.toml's package-dir maps it on install."""
+    import importlib.util
+
+    if importlib.util.find_spec("llmopt") is not None:
+        return
+    sys.path.insert(0, str(ROOT))
+    spec = importlib.util.spec_from_file_location("llmopt.kernels", ROOT / "kernels" / "__init__.py",
+                                                  submodule_search_locations=[str(ROOT / "kernels")])
+    kernels = importlib.util.module_from_spec(spec)
+    sys.modules["llmopt.kernels"] = kernels  # before llmopt itself: its engine imports the kernels
+    spec.loader.exec_module(kernels)
+    import llmopt
+
+    llmopt.kernels = kernels
+
+
+# -- the sections -------------------------------------------------------------------------------------------
+def section_env(run: Run) -> None:
+    import platform
+
+    import torch
+    import transformers
+
+    info = {"python": platform.python_version(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "device": run.device, "dry_run": run.dry_run}
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        info["triton"] = None
+    run.check("triton importable", info["triton"] is not None, str(info["triton"]))
+    if run.device == "cuda":
+        cc = torch.cuda.get_device_capability()
+        info.update(gpu=torch.cuda.get_device_name(), compute_capability=f"{cc[0]}.{cc[1]}",
+                    memory_GiB=round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1))
+        # the ceilings, measured here: a device-to-device copy (bytes read + written) and a
+        # large bf16 matmul, as the shares later in the report are taken of them
+        n = 1 << 30
+        a, b = torch.empty(n, dtype=torch.uint8, device="cuda"), torch.empty(n, dtype=torch.uint8, device="cuda")
+        ms = run.timed(lambda: b.copy_(a), iters=10)
+        del a, b
+        x = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+        mm = run.timed(lambda: x @ x, iters=10)
+        run.ceilings.update(bandwidth_GBps=round(2 * n / ms / 1e6), bf16_TFLOPs=round(2 * 8192**3 / mm / 1e9),
+                            measured=True)
+    info["ceilings"] = run.ceilings
+    run.section.numbers.update(info)
+    run.table("Environment", ["what", "value"], [[k, v] for k, v in info.items()])
+
+
+def section_cuda_tests(run: Run) -> None:
+    """The tests marked `cuda` (tests/conftest.py skips them without a CUDA device), in-process."""
+    import pytest
+
+    class Collect:
+        def __init__(self):
+            self.outcomes: dict[str, list[str]] = {"passed": [], "failed": [], "skipped": []}
+
+        def pytest_runtest_logreport(self, report):
+            if report.when == "call" or (report.when == "setup" and report.outcome != "passed"):
+                self.outcomes.setdefault(report.outcome, []).append(report.nodeid)
+
+    collect = Collect()
+    # only the files that use the marker: collecting the whole suite imports everything it tests
+    files = [str(p) for p in sorted((ROOT / "tests").glob("test_*.py")) if "mark.cuda" in p.read_text()]
+    run.note(f"test files with cuda tests: {', '.join(Path(f).name for f in files)}")
+    args = ["-m", "cuda", "-q", "-p", "no:cacheprovider", "-p", "no:nbval", "-o", "addopts=", *files]
+    # the tests need no third-party pytest plugin; loading every installed one takes seconds
+    saved = os.environ.get("PYTEST_DISABLE_PLUGIN_AUTOLOAD")
+    os.environ["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
+    try:
+        code = pytest.main(args, plugins=[collect])
+    finally:
+        if saved is None:
+            os.environ.pop("PYTEST_DISABLE_PLUGIN_AUTOLOAD")
+        else:
+            os.environ["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = saved
+    passed, failed, skipped = (collect.outcomes.get(k, []) for k in ("passed", "failed", "skipped"))
+    run.section.numbers.update(passed=len(passed), failed=len(failed), skipped=len(skipped), exit_code=int(code))
+    # exit code 5: no test selected; on a CPU every cuda test is skipped, which is the dry run's pass
+    run.check("pytest -m cuda", int(code) in (0, 5) and not failed,
+              f"{len(passed)} passed, {len(failed)} failed, {len(skipped)} skipped"
+              + (f"; failed: {', '.join(failed[:5])}" if failed else ""))
+    if run.device == "cuda":
+        run.check("cuda tests ran on the GPU", len(passed) > 0, f"{len(passed)} passed")
+
+
+def sections(run: Run) -> list[tuple[Section, object]]:
+    sys.path.insert(0, str(HERE))
+    import gpu_engine
+    import gpu_kernels
+
+    plan = [("env", 20, section_env), ("cuda-tests", 60, section_cuda_tests),
+            ("kernels", 90, gpu_kernels.section_kernels),
+            ("kernel-timings", 35, gpu_kernels.section_kernel_timings),
+            ("engine-tiny", 30, gpu_engine.section_engine_tiny),
+            ("smollm2-greedy", 45, gpu_engine.section_smollm2_greedy),
+            ("smollm2-throughput", 80, gpu_engine.section_smollm2_throughput),
+            ("smollm2-fp8", 45, gpu_engine.section_smollm2_fp8),
+            ("smollm2-w4a16", 45, gpu_engine.section_smollm2_w4a16)]
+    assert sum(b for _, b, _ in plan) <= TOTAL_BUDGET_S - 30, "the budgets must leave room for start-up"
+    return [(Section(name, budget), fn) for name, budget, fn in plan]
+
+
+# -- the report ----------------------------------------------------------------------------------------------
+def markdown(report: dict) -> str:
+    lines = [f"# GPU check: {report['device_name']}", "",
+             f"`{report['command']}`: {report['total_seconds']:.0f} s in all"
+             f"{' (dry run on a CPU: Triton interpreter, tiny shapes, no timings)' if report['dry_run'] else ''}.",
+             "", "| section | status | seconds (budget) | checks passed |", "|---|---|---|---|"]
+    for s in report["sections"]:
+        ok = sum(c["ok"] for c in s["checks"])
+        lines.append(f"| {s['name']} | {s['status']} | {s['seconds']:.1f} ({s['budget_s']:.0f}) | "
+                     f"{ok}/{len(s['checks'])} |")
+    for s in report["sections"]:
+        lines += ["", f"## {s['name']}: {s['status']}", ""]
+        if s["error"]:
+            lines += ["```", s["error"].strip(), "```", ""]
+        for t in s["tables"]:
+            lines += [f"**{t['title']}**", "", "| " + " | ".join(t["head"]) + " |", "|" + "---|" * len(t["head"])]
+            lines += ["| " + " | ".join(r) + " |" for r in t["rows"]]
+            lines.append("")
+        failed = [c for c in s["checks"] if not c["ok"]]
+        if failed:
+            lines += [f"- FAILED {c['name']}: {c['detail']}" for c in failed] + [""]
+        lines += [f"- {n}" for n in s["notes"]]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--dry-run", action="store_true",
+                    help="on a CPU: the same code paths through Triton's interpreter, tiny shapes, no timings")
+    ap.add_argument("--prepare", action="store_true",
+                    help=f"write SmolLM2 in the compact carry form into {CARRY_DIR.name}/ and exit")
+    ap.add_argument("--carry", type=Path, default=CARRY_DIR, help="where the carried model lives")
+    ap.add_argument("--only", nargs="+", default=None, metavar="SECTION", help="run only these sections")
+    ap.add_argument("--out", type=Path, default=HERE / "results" / "gpu_check.md", help="markdown report")
+    ap.add_argument("--json", type=Path, default=HERE / "results" / "gpu_check.json", help="JSON report")
+    args = ap.parse_args(argv)
+    if args.prepare:
+        import_llmopt_from_checkout()
+        sys.path.insert(0, str(HERE))
+        from smollm2_carry import prepare
+
+        prepare(args.carry)
+        return 0
+    # Set before Triton is first imported: interpreted on the CPU in the dry run, compiled on the
+    # GPU (and "0", not unset, so that tests/conftest.py's default of "1" does not apply).
+    os.environ["TRITON_INTERPRET"] = "1" if args.dry_run else "0"
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    import tempfile
+
+    import torch
+
+    import_llmopt_from_checkout()
+
+    if not args.dry_run and not torch.cuda.is_available():
+        print("No CUDA device. On a CPU, run `python benchmarks/gpu_check.py --dry-run` (the same code paths, "
+              "interpreted, on tiny shapes).", file=sys.stderr)
+        return 2
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="gpu_check_") as work:
+        run = Run("cpu" if args.dry_run else "cuda", args.dry_run, args.carry, Path(work))
+        plan = sections(run)
+        known = [s.name for s, _ in plan]
+        if args.only and not set(args.only) <= set(known):
+            ap.error(f"--only: unknown section(s) {sorted(set(args.only) - set(known))}; known: {', '.join(known)}")
+        for section, fn in plan:
+            if args.only and section.name not in args.only:
+                section.status = "skipped"
+                continue
+            run_section(run, section, fn)
+    report = {"command": " ".join(["python benchmarks/gpu_check.py", *argv]), "dry_run": args.dry_run,
+              "device_name": torch.cuda.get_device_name() if run.device == "cuda" else "CPU (dry run)",
+              "total_seconds": time.monotonic() - t0, "total_budget_s": TOTAL_BUDGET_S,
+              "ceilings": run.ceilings, "sections": [vars(s) for s, _ in plan]}
+    for path, text in ((args.json, json.dumps(report, indent=1, default=str) + "\n"), (args.out, markdown(report))):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    bad = [s.name for s, _ in plan if s.status not in ("ok", "skipped")]
+    print(f"\n{len(plan) - len(bad)}/{len(plan)} sections ok in {report['total_seconds']:.0f} s"
+          + (f"; not ok: {', '.join(bad)}" if bad else "") + f"\nwrote {args.out} and {args.json}", flush=True)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,341 @@
+"""The engine sections of gpu_check.py: llmopt on the GPU against transformers and the roofline.
+
+- `engine-tiny`: the bundled model in bf16 on CUDA (KV pool sized by the CUDA memory profile):
+  greedy tokens of the Triton path against transformers and against the engine's torch path.
+- `smollm2-greedy`: SmolLM2 rebuilt from the carry (smollm2_carry.py): greedy tokens against
+  transformers on the same weights, in bf16 on the GPU.
+- `smollm2-throughput`: the same mixed requests through the engine and through transformers'
+  `generate` in static batches; then a decode-only phase (bytes of weights and KV read per
+  second, as a share of the copy bandwidth) and a prefill-only one (FLOP/s as a share of the
+  bf16 matmul rate).
+- `smollm2-fp8`, `smollm2-w4a16`: FP8 KV cache, FP8 weights, both, and 4-bit weights (RTN,
+  group 64, through the W4A16 kernel) against bf16: greedy agreement, held-out perplexity,
+  decode throughput, weight bytes and KV blocks.
+
+In the dry run the same functions run on the CPU with the bundled model standing in for SmolLM2
+(packed and rebuilt through the carry format), a few short requests, and the paged-attention
+kernels forced on through Triton's interpreter.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+CHAT = ["What is the capital of France?", "Write a haiku about the sea.", "Explain recursion in one sentence."]
+
+
+# -- models ---------------------------------------------------------------------------------------------------
+def make_llm(run, model, interpret: bool = False, **kw):
+    """The engine on the run's device, in bf16. In the dry run the paged-attention kernels run only
+    when `interpret` is set (engine-tiny sets it): the interpreter takes seconds per engine step,
+    and the sections after it need not prove the same kernels again."""
+    from llmopt import LLM
+
+    kw.setdefault("enable_prefix_caching", False)  # runs repeat prompts; each must compute them
+    if run.device == "cuda":
+        # 21 GB of an H200: SmolLM2's bf16 KV holds 900K tokens in it, far more than these runs use
+        kw.setdefault("gpu_memory_utilization", 0.15)
+    else:  # the interpreter copies every tensor argument, the whole pool too, at each launch
+        kw.setdefault("num_kv_blocks", 48)
+    llm = LLM(model=str(model), device=run.device, dtype=kw.pop("dtype", run.bf16), **kw)
+    cache = llm.llm_engine.kv_cache
+    if run.dry_run:  # the kernels the GPU runs, through the interpreter
+        cache.use_triton = interpret
+    else:
+        run.check(f"engine uses the Triton kernels ({llm.llm_engine.num_blocks} KV blocks)", cache.use_triton)
+    return llm
+
+
+def free() -> None:
+    """After `del` of an engine or a model: collect it now (an engine holds reference cycles), so
+    the next engine's memory profile sees its memory free."""
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def load_hf(run, folder):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(folder), dtype=run.bf16).to(run.device).eval()
+
+
+def smollm2_folder(run):
+    """The rebuilt SmolLM2 folder (made once per run). In the dry run: the bundled model, packed
+    and rebuilt through the same carry format (its tokenizer and config travel the same way)."""
+    from smollm2_carry import hf_folder_files, rebuild, write_carry
+
+    if "smollm2" in run.shared:
+        return run.shared["smollm2"]
+    carry = run.carry / "smollm2"
+    if run.dry_run:
+        from safetensors.torch import load_file
+        from transformers import AutoTokenizer
+
+        from llmopt import model_path
+
+        tiny = model_path("tiny")
+        config = __import__("json").loads((tiny / "config.json").read_text())
+        weights = load_file(str(tiny / "model.safetensors"))
+        weights.pop("lm_head.weight", None)  # tied
+        carry = run.work / "carry" / "smollm2"
+        write_carry(weights, hf_folder_files(config, AutoTokenizer.from_pretrained(str(tiny))), carry, preset=1)
+    seconds, folder = run.wall(lambda: rebuild(carry, run.work / "smollm2"))
+    run.note(f"rebuilt {folder.name} from {carry} in {seconds:.1f} s")
+    run.shared["smollm2"] = folder
+    return folder
+
+
+def prompts(run, tokenizer, n, prompt_len=(32, 96), new=32, seed=0):
+    from llmopt.bench import heldout_tokens, make_requests
+
+    if run.dry_run:
+        n, prompt_len, new = min(n, 3), (8, 24), min(new, 6)
+    return make_requests(heldout_tokens(tokenizer), n, prompt_len, (new, new), seed)
+
+
+@torch.inference_mode()
+def hf_greedy(hf, requests) -> list[list[int]]:
+    """transformers, one request at a time (no padding), greedy."""
+    from transformers import GenerationConfig
+
+    dev = next(hf.parameters()).device
+    out = []
+    for r in requests:
+        cfg = GenerationConfig(do_sample=False, max_new_tokens=r.max_tokens, eos_token_id=None, pad_token_id=0)
+        ids = torch.tensor([r.prompt_token_ids], device=dev)
+        out.append(hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=cfg)
+                   [0, ids.shape[1]:].tolist())
+    return out
+
+
+def engine_greedy(llm, requests) -> list[list[int]]:
+    outs = llm.generate([r.prompt() for r in requests], [r.params() for r in requests], use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> tuple[int, float]:
+    """(sequences identical, share of tokens before each sequence's first difference)."""
+    from llmopt.bench import common_prefix_share
+
+    return sum(x == y for x, y in zip(a, b)), sum(map(common_prefix_share, a, b)) / max(len(a), 1)
+
+
+def check_greedy(run, what, mine, theirs, min_share=0.9):
+    same, share = agreement(mine, theirs)
+    # bf16 kernels that sum in another order may flip a near-tie; what follows then differs
+    run.check(f"{what}: greedy tokens", share >= min_share,
+              f"{same}/{len(mine)} sequences identical, {100 * share:.0f}% of tokens before the first difference")
+    return same, share
+
+
+# -- sections -------------------------------------------------------------------------------------------------
+def section_engine_tiny(run) -> None:
+    from llmopt import model_path
+
+    llm = make_llm(run, "tiny", interpret=True)
+    run.check("engine-tiny runs the paged-attention kernels", llm.llm_engine.kv_cache.use_triton)
+    reqs = prompts(run, llm.tokenizer, 8)
+    if run.dry_run:
+        reqs = [type(r)(r.prompt_token_ids, 3) for r in reqs[:2]]
+    triton_tokens = engine_greedy(llm, reqs)
+    hf = load_hf(run, model_path("tiny"))
+    check_greedy(run, "tiny, engine (Triton) vs transformers", triton_tokens, hf_greedy(hf, reqs))
+    llm.llm_engine.kv_cache.use_triton = False
+    check_greedy(run, "tiny, engine Triton vs torch attention path", triton_tokens, engine_greedy(llm, reqs))
+    if run.device == "cuda":
+        run.section.numbers["kv_blocks_at_0.3"] = llm.llm_engine.num_blocks
+        run.check("the CUDA memory profile sized a pool", llm.llm_engine.num_blocks > 0)
+
+
+def section_smollm2_greedy(run) -> None:
+    from llmopt import SamplingParams
+
+    folder = smollm2_folder(run)
+    llm = make_llm(run, folder)
+    reqs = prompts(run, llm.tokenizer, 16)
+    mine = engine_greedy(llm, reqs)
+    hf = load_hf(run, folder)
+    same, share = check_greedy(run, "SmolLM2, engine vs transformers (bf16, same rebuilt weights)", mine,
+                               hf_greedy(hf, reqs))
+    run.section.numbers.update(identical=same, share=share, num_requests=len(reqs))
+    chat = llm.chat([[{"role": "user", "content": q}] for q in CHAT],
+                    SamplingParams(temperature=0.0, max_tokens=6 if run.dry_run else 40), use_tqdm=False)
+    run.table("Chat answers of the rebuilt model (greedy, engine)", ["question", "answer"],
+              [[q, o.outputs[0].text.replace("\n", " ").replace("|", "/")] for q, o in zip(CHAT, chat)])
+
+
+def decode_and_prefill(run, llm, batch, prompt_len, new) -> dict:
+    """Time a prefill-only run (max_tokens=1) and the pure decode steps of a second run, and turn
+    them into FLOP/s and bytes/s with the model's own sizes."""
+    from llmopt.bench import BenchRequest, heldout_tokens
+
+    model = llm.model
+    stream = heldout_tokens(llm.tokenizer)
+    reqs = [BenchRequest(stream[i * 7:i * 7 + prompt_len], new) for i in range(batch)]
+    linear = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and "embed" not in n)
+    embed = sum(p.numel() for n, p in model.named_parameters() if "embed" in n)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    cache = llm.llm_engine.kv_cache
+    layers, kv_heads, head_dim = len(cache.k), cache.k[0].shape[2], cache.k[0].shape[3]
+    kv_bytes_per_token = 2 * layers * kv_heads * head_dim * cache.k[0].element_size()
+    heads = llm.llm_engine.model_config.num_attention_heads
+
+    # prefill: every prompt once, one token sampled
+    seconds, _ = run.wall(lambda: llm.generate([r.prompt() for r in reqs],
+                                              [BenchRequest(r.prompt_token_ids, 1).params() for r in reqs],
+                                              use_tqdm=False))
+    tokens = batch * prompt_len
+    attention = 4 * layers * heads * head_dim * batch * prompt_len * (prompt_len + 1) / 2  # QK^T and PV, causal
+    flops = 2 * (linear + embed / max(prompt_len, 1)) * tokens + attention  # logits only at the last token
+    out = {"prefill_tokens": tokens, "prefill_s": seconds, "prefill_TFLOPs": flops / seconds / 1e12}
+
+    # decode: the steps after every prompt is in
+    engine = llm.llm_engine
+    for i, r in enumerate(reqs):
+        engine.add_request(f"decode-{i}", r.prompt(), r.params())
+    decode_s, decode_bytes, steps, decoded = 0.0, 0, 0, 0
+    while engine.has_unfinished_requests():
+        running = engine.scheduler.running
+        waiting = len(engine.scheduler.waiting) or any(
+            s.num_computed_tokens < len(s.prompt_token_ids) for s in running)
+        context, seqs = sum(s.num_computed_tokens for s in running), len(running)
+        dt, _ = run.wall(engine.step)
+        if not waiting:  # a pure decode step: one token for each running sequence
+            decode_s += dt
+            steps += 1
+            decoded += seqs
+            decode_bytes += weight_bytes + context * kv_bytes_per_token
+    out.update(decode_steps=steps, decode_s=decode_s, decode_tokens_per_s=decoded / max(decode_s, 1e-9),
+               decode_GBps=decode_bytes / max(decode_s, 1e-9) / 1e9, weight_bytes=weight_bytes)
+    return out
+
+
+def section_smollm2_throughput(run) -> None:
+    from llmopt.bench import hf_static_batches, make_requests, heldout_tokens, run_engine, warm_up
+
+    folder = smollm2_folder(run)
+    n, batch = (4, 2) if run.dry_run else (256, 64)
+    llm = make_llm(run, folder, max_num_seqs=256, max_num_batched_tokens=8192)
+    reqs = make_requests(heldout_tokens(llm.tokenizer), n, (8, 24) if run.dry_run else (24, 400),
+                         (2, 6) if run.dry_run else (16, 200), seed=1)
+    asked = sum(r.max_tokens for r in reqs)
+    warm_up(llm)
+    hf = load_hf(run, folder)
+    pad = llm.tokenizer.pad_token_id if llm.tokenizer.pad_token_id is not None else 0
+    hf_static_batches(hf, reqs[:2], 2, pad, False)  # warm up
+    runs = {"engine": [], "hf": []}
+    for rep in range(1 if run.dry_run else 2):
+        if rep and not run.has_time(0.5 * run.section.budget_s):
+            break
+        clock, outs = run_engine(llm, reqs, False)
+        runs["engine"].append(clock.wall)
+        clock, hf_tokens, computed = hf_static_batches(hf, reqs, batch, pad, False)
+        runs["hf"].append(clock.wall)
+    del hf
+    free()
+    engine_s, hf_s = min(runs["engine"]), min(runs["hf"])
+    speedup = hf_s / engine_s
+    same, share = agreement([o.outputs[0].token_ids for o in outs], hf_tokens)
+    run.section.numbers.update(num_requests=n, tokens_asked=asked, engine_s=runs["engine"], hf_s=runs["hf"],
+                               speedup=speedup, hf_tokens_computed=computed)
+    run.table(f"Offline throughput, {n} requests (prompts {min(len(r.prompt_token_ids) for r in reqs)}-"
+              f"{max(len(r.prompt_token_ids) for r in reqs)}, outputs "
+              f"{min(r.max_tokens for r in reqs)}-{max(r.max_tokens for r in reqs)} tokens, greedy, bf16); "
+              f"best of {len(runs['engine'])}",
+              ["system", "new tokens/s", "seconds", "tokens computed", "engine speedup", "greedy agreement"],
+              [[f"transformers `generate`, static batches of {batch}", f"{asked / hf_s:,.0f}", f"{hf_s:.2f}",
+                f"{computed:,}", f"{speedup:.2f}x", f"{same}/{n} identical, {100 * share:.0f}% prefix"],
+               ["llmopt engine", f"{asked / engine_s:,.0f}", f"{engine_s:.2f}", f"{asked:,}", "1.00x", "-"]])
+    run.check("engine and transformers ran the same requests", len(hf_tokens) == n and len(outs) == n)
+    if run.dry_run:
+        run.note("throughput timed on the CPU in the dry run: not a measurement")
+
+    if not run.has_time(10):
+        return
+    batch, prompt_len, new = (2, 16, 4) if run.dry_run else (64, 512, 64)
+    roof = decode_and_prefill(run, llm, batch, prompt_len, new)
+    bw, peak = run.ceilings["bandwidth_GBps"], run.ceilings["bf16_TFLOPs"]
+    run.section.numbers["roofline"] = roof
+    run.table("Against the roofline (the ceilings measured in `env`)",
+              ["phase", "measured", "share of the ceiling"],
+              [[f"decode, {batch} sequences of {prompt_len}-{prompt_len + new} tokens ({roof['decode_steps']} steps)",
+                f"{roof['decode_GBps']:.0f} GB/s of weights + KV read ({roof['decode_tokens_per_s']:,.0f} tokens/s)",
+                f"{100 * roof['decode_GBps'] / bw:.1f}% of {bw:.0f} GB/s"],
+               [f"prefill, {roof['prefill_tokens']:,} prompt tokens",
+                f"{roof['prefill_TFLOPs']:.1f} TFLOP/s", f"{100 * roof['prefill_TFLOPs'] / peak:.1f}% of {peak:.0f}"]])
+
+
+def variant_row(run, name, llm, reqs, base_tokens, base_blocks=None):
+    """Greedy agreement with bf16, perplexity, decode throughput, weight bytes, KV blocks of one variant."""
+    from llmopt.eval import perplexity
+
+    tokens = engine_greedy(llm, reqs)
+    same, share = agreement(tokens, base_tokens) if base_tokens is not None else (len(reqs), 1.0)
+    ppl = perplexity(llm, max_tokens=64 if run.dry_run else 4096, seq_len=32 if run.dry_run else 512)
+    roof = decode_and_prefill(run, llm, *((2, 8, 3) if run.dry_run else (128, 256, 64)))
+    blocks = llm.llm_engine.num_blocks
+    wbytes = sum(getattr(m, "weight_bytes", lambda: 0)() for m in llm.model.modules()) or None
+    row = [name, f"{same}/{len(reqs)}, {100 * share:.0f}%", f"{ppl:.3f}", f"{roof['decode_tokens_per_s']:,.0f}",
+           f"{blocks:,}" + (f" ({blocks / base_blocks:.2f}x)" if base_blocks else ""),
+           "-" if wbytes is None else f"{wbytes / 2**20:.1f} MiB"]
+    run.section.numbers[name] = {"identical": same, "prefix_share": share, "perplexity": ppl,
+                                 "decode_tokens_per_s": roof["decode_tokens_per_s"], "kv_blocks": blocks}
+    return tokens, row, ppl
+
+
+HEAD = ["configuration", "greedy vs bf16 (identical, prefix)", "perplexity (held out)",
+        "decode tokens/s (128 sequences, 256-320 tokens)",
+        "KV blocks in the same memory", "quantized linear bytes"]
+
+
+def section_smollm2_fp8(run) -> None:
+    folder = smollm2_folder(run)
+    base = make_llm(run, folder, max_num_seqs=128)
+    reqs = prompts(run, base.tokenizer, 16)
+    base_tokens, base_row, base_ppl = variant_row(run, "bf16", base, reqs, None)
+    base_blocks = base.llm_engine.num_blocks
+    del base
+    free()
+    rows = [base_row]
+    for name, kw in (("KV fp8 e4m3 (calibrated scales)", dict(kv_cache_dtype="fp8", calculate_kv_scales=True)),
+                     ("weights fp8 (dynamic per-token activations)", dict(quantization="fp8")),
+                     ("both", dict(quantization="fp8", kv_cache_dtype="fp8", calculate_kv_scales=True))):
+        if not run.has_time(8):
+            break
+        llm = make_llm(run, folder, max_num_seqs=128, **kw)
+        _, row, ppl = variant_row(run, name, llm, reqs, base_tokens, base_blocks)
+        rows.append(row)
+        # the carried weights are far from SmolLM2's (see smollm2_carry.py): quality is reported, not judged
+        run.check(f"{name}: ran, finite perplexity", math.isfinite(ppl), f"{ppl:.3f} vs bf16 {base_ppl:.3f}")
+        del llm
+        free()
+    run.table("FP8 against bf16 (SmolLM2 rebuilt)", HEAD, rows)
+
+
+def section_smollm2_w4a16(run) -> None:
+    from llmopt.quant import quantize
+
+    folder = smollm2_folder(run)
+    base = make_llm(run, folder, max_num_seqs=128)
+    reqs = prompts(run, base.tokenizer, 16)
+    base_tokens, base_row, base_ppl = variant_row(run, "bf16", base, reqs, None)
+    del base
+    free()
+    out = run.work / "smollm2-rtn-w4g64"
+    seconds, _ = run.wall(lambda: quantize(str(folder), method="rtn", bits=4, group_size=64, out=str(out),
+                                           device=run.device, progress=False))
+    run.note(f"RTN 4-bit, group 64 (576 = 9 x 64) quantized in {seconds:.1f} s")
+    llm = make_llm(run, out, max_num_seqs=128)
+    _, row, ppl = variant_row(run, "W4A16 (RTN, group 64, GPTQ layout)", llm, reqs, base_tokens)
+    if run.device == "cuda":  # the Triton kernel runs only on CUDA; on a CPU the dense copy does
+        from llmopt.layers.linear import GPTQLinear
+
+        quant = [m for m in llm.model.modules() if isinstance(m, GPTQLinear)]
+        run.check("the model's linears are GPTQLinear (W4A16 kernel)", len(quant) > 0, f"{len(quant)} layers")
+    run.check("W4A16: ran, finite perplexity", math.isfinite(ppl), f"{ppl:.3f} vs bf16 {base_ppl:.3f}")
+    run.table("W4A16 against bf16 (SmolLM2 rebuilt)", HEAD, [base_row, row])
