@@ -13,7 +13,7 @@ import torch
 from plotly.subplots import make_subplots
 
 from llmopt.quant.rtn import fake_quantize
-from llmopt.viz.notebook import LessonWidget, format_table, show_outputs
+from llmopt.viz.notebook import LABEL_STYLE, LessonWidget, format_table, show_outputs
 
 METHOD_COLORS = {"none": "#7f7f7f", "rtn": "#d62728", "gptq": "#1f77b4", "awq": "#2ca02c",
                  "int8": "#9467bd", "fp8": "#ff7f0e"}
@@ -73,9 +73,9 @@ def histogram_figure(w: torch.Tensor, w_hat: torch.Tensor, title: str, bins: int
 
 def histogram_widget(weights: dict[str, torch.Tensor], name: str, bits: int = 4, group_size: int = 128) -> LessonWidget:
     """Pick a linear, a bit width and a group size; see its weights, their rounding and the error."""
-    pick = widgets.Dropdown(options=list(weights), value=name, description="linear")
-    bits_w = widgets.SelectionSlider(options=[2, 3, 4, 8], value=bits, description="bits", continuous_update=False)
-    group_w = widgets.Dropdown(options=[("32", 32), ("64", 64), ("128", 128), ("per channel", -1)],
+    pick = widgets.Dropdown(style=LABEL_STYLE, options=list(weights), value=name, description="linear")
+    bits_w = widgets.SelectionSlider(style=LABEL_STYLE, options=[2, 3, 4, 8], value=bits, description="bits", continuous_update=False)
+    group_w = widgets.Dropdown(style=LABEL_STYLE, options=[("32", 32), ("64", 64), ("128", 128), ("per channel", -1)],
                                value=group_size, description="group_size")
     out = widgets.Output()
 
@@ -133,8 +133,8 @@ def salient_widget(details: dict) -> LessonWidget:
     `details` is `QuantizeResult.details` of an AWQ run: per layer, scales, errors and mean |x|."""
     layers = sorted(details)
     names = [n for n, s in details[layers[0]]["scales"].items() if s is not None]
-    layer_w = widgets.Dropdown(options=layers, value=layers[0], description="layer")
-    name_w = widgets.Dropdown(options=names, value=names[0], description="linear")
+    layer_w = widgets.Dropdown(style=LABEL_STYLE, options=layers, value=layers[0], description="layer")
+    name_w = widgets.Dropdown(style=LABEL_STYLE, options=names, value=names[0], description="linear")
     out = widgets.Output()
 
     def redraw(*_):
@@ -174,7 +174,7 @@ def methods_figure(rows: list[dict], baseline: float) -> go.Figure:
 def methods_widget(rows: list[dict], baseline: float) -> LessonWidget:
     """Pick the bit widths to compare; see perplexity against memory."""
     choices = sorted({r["bits"] for r in rows}, reverse=True)
-    pick = widgets.SelectMultiple(options=choices, value=tuple(choices), description="bits", rows=len(choices))
+    pick = widgets.SelectMultiple(style=LABEL_STYLE, options=choices, value=tuple(choices), description="bits", rows=len(choices))
     out = widgets.Output()
 
     def redraw(*_):
