@@ -330,3 +330,22 @@ def test_kv_share_keeps_significant_digits():
 def test_legends_sit_below_the_axis_titles(run):
     fig = block_table_figure(run.trace, len(run.trace) - 1)
     assert fig.layout.legend.yref == "container" and fig.layout.legend.yanchor == "bottom"
+
+
+def test_outlier_rows_match_the_first_blocks_inputs_by_hand():
+    import torch
+
+    from llmopt import model_path
+    from llmopt.model.loader import load_model
+    from llmopt.viz.quant import OUTLIER_INPUTS, outlier_rows
+
+    model = load_model(model_path("tiny"))
+    windows = torch.randint(0, model.config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+    rows = outlier_rows(model, windows)
+    assert [r["block"] for r in rows] == list(range(model.config.num_hidden_layers))
+    assert all(r[k] >= 1 for r in rows for k in OUTLIER_INPUTS)
+    # block 0's q/k/v input is the normed embedding: its channel means by hand
+    with torch.no_grad():
+        x = model.model.layers[0].input_layernorm(model.model.embed_tokens(windows.flatten()))
+    m = x.abs().mean(0)
+    assert rows[0]["q/k/v"] == pytest.approx(float(m.max() / m.median()), rel=1e-5)
