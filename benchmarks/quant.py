@@ -190,7 +190,7 @@ def render(rows: list[dict], command: str, eval_tokens: int, model: str = "tiny"
             lines.append(f"- {r['name']}: linear weights {share:.1%} of fp16 (goal: at most 30%): "
                          f"{'met' if share <= 0.30 else 'NOT met'}.")
     if model == "smollm2":
-        lines += smollm2_notes(rows, base)
+        lines += smollm2_notes(rows, base, num_samples)
     else:
         lines += ["- Greedy text from every checkpoint (below) still looks like the Python the model was trained on: "
               "comments, indentation, imports, docstrings, calls. How many of its tokens match fp32's is the "
@@ -237,8 +237,18 @@ MODEL_TITLES = {"tiny": "the bundled target (`tiny`)", "smollm2": "SmolLM2-135M-
 PAPER_INT4_G128 = {"fp16": 5.68, "RTN": 5.96, "GPTQ": 6.22, "GPTQ-R (act-order)": 5.83, "AWQ": 5.78}
 
 
-def smollm2_notes(rows: list[dict], base: dict | None) -> list[str]:
+def smollm2_notes(rows: list[dict], base: dict | None, num_samples: int = 32) -> list[str]:
     """What is particular to SmolLM2: the group sizes it takes, and where its weights come from."""
+    names = {r["name"] for r in rows}
+    missing = [n for n in DEFAULT_ROWS["smollm2"] if n not in names]
+    limits = []
+    if num_samples < 32 or missing:
+        limits = ["- **What this run could afford.** "
+                  + (f"Calibration used {num_samples} windows of 512 tokens (the default is 32), "
+                     "and fewer calibration tokens give GPTQ a noisier Hessian (for down_proj, 1,536 "
+                     "inputs, from only " + f"{num_samples * 512:,} tokens). " if num_samples < 32 else "")
+                  + (f"Rows not measured: {', '.join(missing)}. " if missing else "")
+                  + "The run shared two CPU cores with many other jobs (benchmarks/README.md)."]
     return [
         "", "## Reading this table", "",
         "- **Groups of 64.** SmolLM2's hidden size is 576 = 4.5 x 128, so q/k/v and gate/up (576 inputs) "
@@ -252,6 +262,7 @@ def smollm2_notes(rows: list[dict], base: dict | None) -> list[str]:
         "\"unquantized\" fp32 row is itself the dequantized Q4_1 model.",
         "- Perplexity is on held-out Python sources (the bundled evaluation split), text the calibration "
         "never saw; SmolLM2 is a chat model, so its perplexity on raw code is higher than on chat.",
+        *limits,
         "",
     ]
 
