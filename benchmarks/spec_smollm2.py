@@ -111,7 +111,7 @@ def chat_requests(tokenizer, max_tokens: int) -> list[BenchRequest]:
 
 
 @torch.no_grad()
-def logit_lens(requests: list[BenchRequest], llm) -> dict[int, float]:
+def logit_lens(requests: list[BenchRequest], llm, depths: list[int] | None = None) -> dict[int, float]:
     """For every depth l: how often the first l blocks (then the final norm and lm_head) pick the
     token the full model picks, over the prompts' positions and the full model's greedy answers."""
     from llmopt.engine.kv_cache import NoKVCache
@@ -131,6 +131,8 @@ def logit_lens(requests: list[BenchRequest], llm) -> dict[int, float]:
             states.append(x)
         final = model.compute_logits(model.model.norm(states[-1])).argmax(-1)
         for depth, h in enumerate(states, start=1):
+            if depths is not None and depth not in depths:
+                continue
             picks = model.compute_logits(model.model.norm(h)).argmax(-1)
             a = agree.setdefault(depth, [0, 0])
             a[0] += int((picks == final).sum())
@@ -171,16 +173,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--draft-layers", type=int, default=None,
                     help="blocks in the truncated draft (default: the depth the probe predicts fastest)")
     ap.add_argument("--k", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--requests", type=int, default=len(TASKS), help="how many of the tasks to run")
+    ap.add_argument("--depths", type=int, nargs="+", default=None,
+                    help="depths the probe scores (default: every one; each costs an lm_head over every position)")
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "spec_smollm2.md")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     command = shlex.join(["python", "benchmarks/spec_smollm2.py", *argv])
     source = model_path("smollm2")
     probe = LLM("smollm2", enable_prefix_caching=False)
-    requests = chat_requests(probe.tokenizer, args.max_tokens)
-    lens = logit_lens(requests, probe)
+    requests = chat_requests(probe.tokenizer, args.max_tokens)[:args.requests]
+    lens = logit_lens(requests, probe, args.depths)
+    num_layers = probe.llm_engine.model_config.num_hidden_layers
     del probe
-    num_layers = len(lens)
     # the speedup the formula predicts for a draft of depth l at k = 4 (c = l / L, verification = one step)
     predicted = {d: predicted_speedup(a, 4, d / num_layers) for d, a in lens.items() if d < num_layers}
     layers = args.draft_layers or max(predicted, key=predicted.get)
@@ -191,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         result = bench_spec(lambda **kw: LLM("smollm2", enable_prefix_caching=False, **kw), requests,
                             list(methods), args.k, batch1=len(requests), progress=False, spec_methods=methods)
     result.update(command=command, logit_lens=lens, draft_layers=layers, predicted_by_depth=predicted)
-    depths = [d for d in (1, 2, 4, 6, 8, 10, 12, 15, 20, 25, 29) if d in lens]
+    depths = sorted(lens)
     text = "\n".join([
         "# Speculative decoding on SmolLM2-135M-Instruct", "",
         f"`{command}`; torch {torch.__version__}, one thread, a 2-core machine shared with other jobs "
