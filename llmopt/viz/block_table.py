@@ -14,7 +14,7 @@ import ipywidgets as widgets
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from llmopt.viz.notebook import LessonWidget, format_table, show_outputs
+from llmopt.viz.notebook import LABEL_STYLE, LEGEND_BELOW, LessonWidget, format_table, show_outputs
 
 # Request colours repeat after ten; free blocks are grey, free blocks holding a cached prefix pale.
 PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd",
@@ -190,8 +190,8 @@ def block_table_figure(trace: list[dict], step: int, columns: int = 16, max_bloc
     fig.update_yaxes(range=[grid_rows - 0.3, -0.7], showticklabels=False, showgrid=False,
                      zeroline=False, row=1, col=2)
     fig.update_layout(title=f"after step {step}: {_describe_step(entry)}"[:110],
-                      height=max(300, 110 + 34 * max(len(tables), grid_rows)),
-                      margin=dict(l=60, r=10, t=70, b=90), legend=dict(orientation="h", y=-0.2))
+                      height=max(330, 140 + 34 * max(len(tables), grid_rows)),
+                      margin=dict(l=60, r=10, t=70, b=110), legend=LEGEND_BELOW)
     return fig
 
 
@@ -199,7 +199,7 @@ def block_table_widget(trace: list[dict], block_size: int | None = None, step: i
                        title: str = "block tables, step by step") -> LessonWidget:
     """A slider (and play button) over the steps of a traced run; figure and text redraw."""
     colors = request_colors(trace)
-    slider = widgets.IntSlider(value=step, min=0, max=len(trace) - 1, description="step",
+    slider = widgets.IntSlider(style=LABEL_STYLE, value=step, min=0, max=len(trace) - 1, description="step",
                                continuous_update=False, layout=widgets.Layout(width="60%"))
     play = widgets.Play(value=step, min=0, max=len(trace) - 1, interval=700, description="play")
     widgets.jslink((play, "value"), (slider, "value"))

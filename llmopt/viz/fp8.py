@@ -16,7 +16,7 @@ import torch
 
 from llmopt.engine.kv_cache import NoKVCache
 from llmopt.fp8 import E4M3, E5M2, dequantize_fp8, fp8_format, fp8_neighbours, fp8_values, quantize_fp8
-from llmopt.viz.notebook import LessonWidget, format_table, show_outputs
+from llmopt.viz.notebook import LABEL_STYLE, LessonWidget, format_table, show_outputs
 
 FORMATS = {"e4m3": E4M3, "e5m2": E5M2}
 COLORS = {"e4m3": "#1f77b4", "e5m2": "#d62728", "float16": "#7f7f7f", "bfloat16": "#2ca02c"}
@@ -133,8 +133,8 @@ def neighbour_text(x: float, name: str) -> str:
 
 def fp8_value_widget(value: float = 300.0, name: str = "e4m3") -> LessonWidget:
     """Type a number, pick a format: its representable neighbours, the value stored, the error."""
-    box = widgets.FloatText(value=value, description="x", step=0.1)
-    pick = widgets.ToggleButtons(options=list(FORMATS), value=name, description="format")
+    box = widgets.FloatText(style=LABEL_STYLE, value=value, description="x", step=0.1)
+    pick = widgets.ToggleButtons(style=LABEL_STYLE, options=list(FORMATS), value=name, description="format")
     out = widgets.Output()
 
     def redraw(*_):
@@ -210,9 +210,9 @@ def scale_sweep_figure(rows: list[dict], marks: dict[str, float], title: str = "
 
 def scale_widget(x: torch.Tensor, what: str = "keys", scale: float = 1.0) -> LessonWidget:
     """Slide the scale: where |x| / scale falls on the format's range, and the error it costs."""
-    slider = widgets.FloatLogSlider(value=scale, base=10, min=-9, max=4, step=0.05, description="scale",
+    slider = widgets.FloatLogSlider(style=LABEL_STYLE, value=scale, base=10, min=-9, max=4, step=0.05, description="scale",
                                     readout_format=".2e", layout=widgets.Layout(width="480px"))
-    pick = widgets.ToggleButtons(options=list(FORMATS), value="e4m3", description="format")
+    pick = widgets.ToggleButtons(style=LABEL_STYLE, options=list(FORMATS), value="e4m3", description="format")
     out = widgets.Output()
     mags = x.abs().flatten()
     mags = mags[mags > 0]

@@ -13,7 +13,7 @@ import ipywidgets as widgets
 import plotly.graph_objects as go
 
 from llmopt.kv_memory import DTYPE_BYTES, PRESETS, KVSpec, format_bytes
-from llmopt.viz.notebook import LessonWidget, format_table, show_outputs
+from llmopt.viz.notebook import LABEL_STYLE, LessonWidget, format_table, show_outputs
 
 REFERENCE_BYTES = 40e9  # the "over 40 GB of KV" claim lesson 01 checks
 LENGTHS = [512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072]
@@ -61,6 +61,12 @@ def kv_figure(specs: list[KVSpec], num_tokens: int, batch_size: int = 1, dtype_b
     return fig
 
 
+def percent(share: float) -> str:
+    """A share as a percentage with two significant digits below 10% ("0.022%", not "0.0%")."""
+    p = 100 * share
+    return f"{p:,.0f}%" if p >= 10 else f"{p:.2g}%"
+
+
 def kv_readout(spec: KVSpec, num_tokens: int, batch_size: int, dtype_bytes: int) -> str:
     per_token = spec.bytes_per_token(dtype_bytes)
     per_seq = spec.cache_bytes(num_tokens, 1, dtype_bytes)
@@ -81,7 +87,7 @@ def kv_readout(spec: KVSpec, num_tokens: int, batch_size: int, dtype_bytes: int)
     if spec.num_params:
         weights = spec.num_params * 2
         lines.append(f"  for scale: the weights in bfloat16 take {format_bytes(weights)}; "
-                     f"this batch's KV is {total / weights:.1%} of that")
+                     f"this batch's KV is {percent(total / weights)} of that")
     if spec.max_position_embeddings and num_tokens > spec.max_position_embeddings:
         lines.append(f"  note: {num_tokens:,} tokens is longer than this model's context "
                      f"({spec.max_position_embeddings:,} positions)")
@@ -91,7 +97,7 @@ def kv_readout(spec: KVSpec, num_tokens: int, batch_size: int, dtype_bytes: int)
 def kv_calculator_widget(presets: dict[str, KVSpec] | None = None, preset: str = "Llama-2-70B",
                          num_tokens: int = 4096, batch_size: int = 1, dtype: str = "bfloat16") -> LessonWidget:
     presets = presets or PRESETS
-    style = {"description_width": "110px"}
+    style = LABEL_STYLE
     pick = widgets.Dropdown(options=list(presets), value=preset, description="preset", style=style)
     layers = widgets.IntSlider(min=1, max=160, description="layers", style=style)
     kv_heads = widgets.IntSlider(min=1, max=128, description="KV heads", style=style)

@@ -13,7 +13,7 @@ import ipywidgets as widgets
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from llmopt.viz.notebook import LessonWidget, format_table, show_outputs
+from llmopt.viz.notebook import LABEL_STYLE, LessonWidget, format_table, show_outputs
 
 BLOCK_SIZES = [8, 16, 32, 64, 128, 256]
 STRATEGY_COLORS = {"contiguous, max_model_len each": "#d62728",
@@ -149,7 +149,7 @@ def block_size_figure(seq_lens: list[int], block_size: int, rows: list[dict],
 def block_size_widget(seq_lens: list[int], names: list[str] | None = None, block_size: int = 16,
                       block_sizes: list[int] = BLOCK_SIZES) -> LessonWidget:
     """Slide the block size; see each sequence's empty slots and the table it needs."""
-    slider = widgets.SelectionSlider(options=block_sizes, value=block_size, description="block_size",
+    slider = widgets.SelectionSlider(style=LABEL_STYLE, options=block_sizes, value=block_size, description="block_size",
                                      continuous_update=False)
     out = widgets.Output()
     rows = block_size_rows(seq_lens, block_sizes)

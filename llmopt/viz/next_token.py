@@ -14,7 +14,7 @@ import torch
 from llmopt.engine.kv_cache import NoKVCache
 from llmopt.layers.sampler import filter_logits, sample
 from llmopt.sampling_params import SamplingParams
-from llmopt.viz.notebook import LessonWidget, format_table, show_outputs
+from llmopt.viz.notebook import LABEL_STYLE, LEGEND_BELOW, LessonWidget, format_table, show_outputs
 
 
 @torch.inference_mode()
@@ -60,18 +60,18 @@ def next_token_figure(rows: list[dict], title: str = "") -> go.Figure:
         go.Bar(name="model (temperature 1)", x=labels, y=[r["p (model)"] for r in rows]),
         go.Bar(name="sampled from (your settings)", x=labels, y=[r["p (sampled from)"] for r in rows]),
     ])
-    fig.update_layout(title=title, barmode="group", height=340, margin=dict(l=40, r=10, t=40, b=40),
-                      yaxis_title="probability", yaxis_range=[0, 1], legend=dict(orientation="h", y=1.12))
+    fig.update_layout(title=title, barmode="group", height=400, margin=dict(l=40, r=10, t=40, b=110),
+                      yaxis_title="probability", yaxis_range=[0, 1], legend=LEGEND_BELOW)
     return fig
 
 
 def next_token_widget(llm, prompt: str = "def ", temperature: float = 1.0, top_p: float = 1.0,
                       top_n: int = 10, seed: int = 0) -> LessonWidget:
     """Type a prompt, turn temperature and top-p, and grow the text one token at a time."""
-    prompt_box = widgets.Text(value=prompt, description="prompt", layout=widgets.Layout(width="60%"))
-    temp = widgets.FloatSlider(value=temperature, min=0.0, max=2.0, step=0.1, description="temperature")
-    top_p_slider = widgets.FloatSlider(value=top_p, min=0.05, max=1.0, step=0.05, description="top_p")
-    bars = widgets.IntSlider(value=top_n, min=3, max=25, description="tokens shown")
+    prompt_box = widgets.Text(style=LABEL_STYLE, value=prompt, description="prompt", layout=widgets.Layout(width="60%"))
+    temp = widgets.FloatSlider(style=LABEL_STYLE, value=temperature, min=0.0, max=2.0, step=0.1, description="temperature")
+    top_p_slider = widgets.FloatSlider(style=LABEL_STYLE, value=top_p, min=0.05, max=1.0, step=0.05, description="top_p")
+    bars = widgets.IntSlider(style=LABEL_STYLE, value=top_n, min=3, max=25, description="tokens shown")
     greedy_btn = widgets.Button(description="append top token")
     sample_btn = widgets.Button(description="sample a token")
     reset_btn = widgets.Button(description="reset")

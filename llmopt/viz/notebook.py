@@ -7,6 +7,7 @@ Every plot has a plain-text table of the same numbers beside it, for viewers tha
 
 from __future__ import annotations
 
+import logging
 import sys
 from numbers import Number
 from typing import Callable
@@ -18,9 +19,32 @@ def in_colab() -> bool:
     return "google.colab" in sys.modules
 
 
+# Widget labels at their full width: ipywidgets' default (about 90 px) cuts "temperature" to "temperat…"
+LABEL_STYLE = {"description_width": "initial"}
+
+
+# A horizontal legend pinned to the figure's bottom edge (not the plot's), under the x-axis title;
+# at the top it would collide with the title, just under the plot with the axis title.
+LEGEND_BELOW = dict(orientation="h", yref="container", y=0.01, yanchor="bottom", x=0)
+
+
+class _LongTextWarning(logging.Filter):
+    """Drops transformers' "Token indices sequence length is longer than the specified maximum"
+    warning: lessons tokenize whole texts and cut them into windows the model can take, so a long
+    token list is intended, and the warning (a pink box in JupyterLab) only alarms."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Token indices sequence length is longer")
+
+
 def setup_notebook() -> str:
-    """Pick the plotly renderer for this frontend and return its name."""
+    """Pick the plotly renderer for this frontend and return its name; silence the tokenizer's
+    long-text warning (once, for the whole notebook)."""
     import plotly.io as pio
+
+    logger = logging.getLogger("transformers.tokenization_utils_base")
+    if not any(isinstance(f, _LongTextWarning) for f in logger.filters):
+        logger.addFilter(_LongTextWarning())
 
     if in_colab():
         from google.colab import output

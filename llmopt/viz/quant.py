@@ -13,7 +13,7 @@ import torch
 from plotly.subplots import make_subplots
 
 from llmopt.quant.rtn import fake_quantize
-from llmopt.viz.notebook import LessonWidget, format_table, show_outputs
+from llmopt.viz.notebook import LABEL_STYLE, LEGEND_BELOW, LessonWidget, format_table, show_outputs
 
 METHOD_COLORS = {"none": "#7f7f7f", "rtn": "#d62728", "gptq": "#1f77b4", "awq": "#2ca02c",
                  "int8": "#9467bd", "fp8": "#ff7f0e"}
@@ -73,9 +73,9 @@ def histogram_figure(w: torch.Tensor, w_hat: torch.Tensor, title: str, bins: int
 
 def histogram_widget(weights: dict[str, torch.Tensor], name: str, bits: int = 4, group_size: int = 128) -> LessonWidget:
     """Pick a linear, a bit width and a group size; see its weights, their rounding and the error."""
-    pick = widgets.Dropdown(options=list(weights), value=name, description="linear")
-    bits_w = widgets.SelectionSlider(options=[2, 3, 4, 8], value=bits, description="bits", continuous_update=False)
-    group_w = widgets.Dropdown(options=[("32", 32), ("64", 64), ("128", 128), ("per channel", -1)],
+    pick = widgets.Dropdown(style=LABEL_STYLE, options=list(weights), value=name, description="linear")
+    bits_w = widgets.SelectionSlider(style=LABEL_STYLE, options=[2, 3, 4, 8], value=bits, description="bits", continuous_update=False)
+    group_w = widgets.Dropdown(style=LABEL_STYLE, options=[("32", 32), ("64", 64), ("128", 128), ("per channel", -1)],
                                value=group_size, description="group_size")
     out = widgets.Output()
 
@@ -133,8 +133,8 @@ def salient_widget(details: dict) -> LessonWidget:
     `details` is `QuantizeResult.details` of an AWQ run: per layer, scales, errors and mean |x|."""
     layers = sorted(details)
     names = [n for n, s in details[layers[0]]["scales"].items() if s is not None]
-    layer_w = widgets.Dropdown(options=layers, value=layers[0], description="layer")
-    name_w = widgets.Dropdown(options=names, value=names[0], description="linear")
+    layer_w = widgets.Dropdown(style=LABEL_STYLE, options=layers, value=layers[0], description="layer")
+    name_w = widgets.Dropdown(style=LABEL_STYLE, options=names, value=names[0], description="linear")
     out = widgets.Output()
 
     def redraw(*_):
@@ -174,7 +174,7 @@ def methods_figure(rows: list[dict], baseline: float) -> go.Figure:
 def methods_widget(rows: list[dict], baseline: float) -> LessonWidget:
     """Pick the bit widths to compare; see perplexity against memory."""
     choices = sorted({r["bits"] for r in rows}, reverse=True)
-    pick = widgets.SelectMultiple(options=choices, value=tuple(choices), description="bits", rows=len(choices))
+    pick = widgets.SelectMultiple(style=LABEL_STYLE, options=choices, value=tuple(choices), description="bits", rows=len(choices))
     out = widgets.Output()
 
     def redraw(*_):
@@ -185,3 +185,38 @@ def methods_widget(rows: list[dict], baseline: float) -> LessonWidget:
     pick.observe(redraw, names="value")
     redraw()
     return LessonWidget("perplexity and memory per method and bit width", [pick, out])
+
+
+# -- activation outliers: what AWQ and act-order have to work with -------------------------------------------
+OUTLIER_INPUTS = {"q/k/v": "self_attn.qkv_proj", "o": "self_attn.o_proj", "gate/up": "mlp.gate_up_proj",
+                  "down": "mlp.down_proj"}
+
+
+@torch.no_grad()
+def outlier_rows(model, windows: torch.Tensor) -> list[dict]:
+    """Per decoder block: for each linear, its largest input channel's mean |x| over the median
+    channel's, on the calibration windows [n, seq_len] (the ratio AWQ's scales answer to)."""
+    from llmopt.quant.calibration import BlockInputs
+
+    runner = BlockInputs(model, windows)
+    rows = []
+    for i, layer in enumerate(model.model.layers):
+        inputs, runner.hidden = runner.capture(layer, list(OUTLIER_INPUTS.values()))
+        row = {"block": i}
+        for label, name in OUTLIER_INPUTS.items():
+            m = inputs[name.rsplit(".", 1)[1]].abs().mean(0)
+            row[label] = float(m.max() / m.median())
+        rows.append(row)
+    return rows
+
+
+def outlier_figure(rows_by_model: dict[str, list[dict]], linear: str = "q/k/v") -> go.Figure:
+    """Largest / median input channel per block, one line per model (log scale)."""
+    fig = go.Figure()
+    for model, rows in rows_by_model.items():
+        fig.add_trace(go.Scatter(x=[r["block"] for r in rows], y=[round(r[linear], 3) for r in rows],
+                                 mode="lines+markers", name=model))
+    fig.update_layout(title=f"{linear} inputs: largest channel's mean |x| / the median channel's", height=380,
+                      xaxis_title="decoder block", yaxis=dict(type="log", title="max / median"),
+                      margin=dict(l=50, r=10, t=40, b=90), legend=LEGEND_BELOW)
+    return fig

@@ -24,7 +24,7 @@ from plotly.subplots import make_subplots
 from llmopt.bench_spec import expected_tokens_per_step, predicted_speedup
 from llmopt.sampling_params import SamplingParams
 from llmopt.spec.rejection_sampler import rejection_sample
-from llmopt.viz.notebook import LessonWidget, format_table, show_outputs
+from llmopt.viz.notebook import LABEL_STYLE, LEGEND_BELOW, LessonWidget, format_table, show_outputs
 
 # target: a token the target made alone (after a prefill, or a decode step with no drafts)
 KINDS = ("target", "accepted", "rejected", "replacement", "bonus")
@@ -187,9 +187,9 @@ def position_figure(rows_by_label: dict[str, list[dict]], rate: str = "acceptanc
     for label, rows in rows_by_label.items():
         fig.add_trace(go.Bar(x=[r["position"] for r in rows], y=[round(r[rate], 4) for r in rows], name=label,
                              marker_color=METHOD_COLORS.get(label.split()[0])))
-    fig.update_layout(barmode="group", title=title or f"{rate} per draft position", height=320,
-                      margin=dict(l=50, r=10, t=40, b=40), xaxis=dict(title="draft position", dtick=1),
-                      yaxis=dict(title=rate, range=[0, 1]), legend=dict(orientation="h", y=1.15))
+    fig.update_layout(barmode="group", title=title or f"{rate} per draft position", height=370,
+                      margin=dict(l=50, r=10, t=40, b=90), xaxis=dict(title="draft position", dtick=1),
+                      yaxis=dict(title=rate, range=[0, 1]), legend=LEGEND_BELOW)
     return fig
 
 
@@ -260,9 +260,9 @@ def sweep_figure(rows: list[dict], x: str = "k", title: str = "") -> go.Figure:
         ks = sorted({r["k"] for r in rows})
         fig.add_trace(go.Scatter(x=ks, y=[k + 1 for k in ks], name="k + 1 (all accepted)", mode="lines",
                                  line=dict(color="#999", dash="dot")))
-    fig.update_layout(title=title, height=330, margin=dict(l=50, r=10, t=40, b=40),
+    fig.update_layout(title=title, height=380, margin=dict(l=50, r=10, t=40, b=90),
                       xaxis_title="num_speculative_tokens (k)" if x == "k" else "temperature",
-                      yaxis_title="mean acceptance length", legend=dict(orientation="h", y=1.15))
+                      yaxis_title="mean acceptance length", legend=LEGEND_BELOW)
     return fig
 
 
@@ -272,7 +272,7 @@ def spec_widget(make_llm, prompts: list, methods: dict[str, dict], method: str =
     drawn coloured, with the acceptance counters and the rate per draft position."""
     if method not in methods:
         raise ValueError(f"method must be one of {', '.join(methods)}, got {method!r}")
-    style = {"description_width": "110px"}
+    style = LABEL_STYLE
     pick = widgets.Dropdown(options=list(methods), value=method, description="method", style=style)
     k_slider = widgets.IntSlider(value=k, min=1, max=8, description="k", continuous_update=False, style=style)
     temp = widgets.FloatSlider(value=temperature, min=0.0, max=1.5, step=0.25, description="temperature",
@@ -374,8 +374,8 @@ def distribution_figure(rows: list[dict], title: str = "") -> go.Figure:
     colors = ["#1f77b4", "#bbbbbb", "#2ca02c", "#d62728", "#9467bd"]
     fig = go.Figure([go.Bar(x=[r["token"] for r in rows], y=[round(r[name], 5) for r in rows], name=name,
                             marker_color=color) for name, color in zip(names, colors)])
-    fig.update_layout(barmode="group", title=title, height=360, margin=dict(l=50, r=10, t=40, b=60),
-                      yaxis_title="probability / frequency", legend=dict(orientation="h", y=1.15))
+    fig.update_layout(barmode="group", title=title, height=410, margin=dict(l=50, r=10, t=40, b=110),
+                      yaxis_title="probability / frequency", legend=LEGEND_BELOW)
     return fig
 
 
@@ -396,15 +396,15 @@ def speedup_model_figure(alphas: list[float], c: float, ks: list[int], title: st
         fig.add_trace(go.Scatter(x=ks, y=[round(r["predicted speedup"], 4) for r in rows], name=f"alpha = {alpha:g}",
                                  mode="lines+markers"))
     fig.add_hline(y=1, line=dict(color="#999", dash="dot"))
-    fig.update_layout(title=title or f"predicted speedup, draft cost c = {c:g}", height=330,
-                      margin=dict(l=50, r=10, t=40, b=40), xaxis=dict(title="k", dtick=1),
-                      yaxis_title="speedup over plain decoding", legend=dict(orientation="h", y=1.15))
+    fig.update_layout(title=title or f"predicted speedup, draft cost c = {c:g}", height=380,
+                      margin=dict(l=50, r=10, t=40, b=90), xaxis=dict(title="k", dtick=1),
+                      yaxis_title="speedup over plain decoding", legend=LEGEND_BELOW)
     return fig
 
 
 def speedup_model_widget(alpha: float = 0.6, c: float = 0.1, max_k: int = 10) -> LessonWidget:
     """Sliders for alpha and c: the predicted speedup for every k, and the best k."""
-    style = {"description_width": "160px"}
+    style = LABEL_STYLE
     a = widgets.FloatSlider(value=alpha, min=0.0, max=0.95, step=0.05, description="alpha (acceptance)",
                             continuous_update=False, style=style)
     cost = widgets.FloatSlider(value=c, min=0.0, max=1.0, step=0.02, description="c (draft / target cost)",

@@ -20,7 +20,7 @@ from plotly.subplots import make_subplots
 
 from llmopt.sampling_params import SamplingParams
 from llmopt.viz.block_table import pool_state
-from llmopt.viz.notebook import LessonWidget, format_table, show_outputs
+from llmopt.viz.notebook import LABEL_STYLE, LessonWidget, format_table, show_outputs
 
 STATES = ("waiting", "prefill", "decode", "preempted", "recompute")
 STATE_COLORS = {"waiting": "#d9d9d9", "prefill": "#ff7f0e", "decode": "#1f77b4",
@@ -201,7 +201,9 @@ def timeline_figure(run: TracedRun, x: str = "step", title: str | None = None) -
                       height=max(260, 80 + 22 * len(run.request_ids)),
                       xaxis_title="engine step" if x == "step" else "seconds since the first step",
                       margin=dict(l=60, r=10, t=40, b=40))
-    fig.update_yaxes(autorange="reversed", type="category")
+    # requests top to bottom in arrival order (r0 first), not in the order the state traces met them
+    fig.update_yaxes(autorange="reversed", type="category", categoryorder="array",
+                     categoryarray=list(run.request_ids))
     return fig
 
 
@@ -288,14 +290,14 @@ def scheduler_widget(make_llm, prompts: list, params, arrival_steps: list[int] |
                      enable_chunked_prefill: bool = True) -> LessonWidget:
     """Sliders for the scheduler's knobs; each change re-runs the workload on a fresh engine
     (`make_llm(**knobs)` must return an LLM with enable_trace=True) and redraws the timeline."""
-    style = {"description_width": "170px"}
+    style = LABEL_STYLE
     seqs = widgets.IntSlider(value=max_num_seqs, min=1, max=16, description="max_num_seqs",
                              continuous_update=False, style=style)
     budget = widgets.SelectionSlider(options=[16, 32, 64, 128, 256, 512, 1024, 2048],
                                      value=max_num_batched_tokens, description="max_num_batched_tokens",
                                      continuous_update=False, style=style)
-    chunked = widgets.Checkbox(value=enable_chunked_prefill, description="enable_chunked_prefill")
-    axis = widgets.ToggleButtons(options=["step", "time"], value="step", description="x axis")
+    chunked = widgets.Checkbox(value=enable_chunked_prefill, description="enable_chunked_prefill", style=LABEL_STYLE)
+    axis = widgets.ToggleButtons(style=LABEL_STYLE, options=["step", "time"], value="step", description="x axis")
     out = widgets.Output()
 
     def redraw(*_):
