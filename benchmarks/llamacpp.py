@@ -135,13 +135,13 @@ def llmopt_batched(llm, seqs: int) -> float:
     return seqs * 256 / (time.perf_counter() - t)
 
 
-def models() -> list[tuple[str, str]]:
+def models(which: list[str]) -> list[tuple[str, str]]:
     from llmopt.model.registry import model_path
     from llmopt.quant.gguf_write import write_gguf
 
     real = str(model_path("smollm2"))
-    files = [("Q4_1 (the wheel's file)", real)]
-    for qtype in ("Q4_0", "Q8_0"):
+    files = [("Q4_1 (the wheel's file)", real)] if "Q4_1" in which else []
+    for qtype in [q for q in ("Q4_0", "Q8_0") if q in which]:
         path = CACHE / f"smollm2-{qtype}.gguf"
         if not path.is_file():
             write_gguf(real, qtype, path)
@@ -156,6 +156,7 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seqs", type=int, nargs="+", default=[16, 64])
     p.add_argument("--greedy-tokens", type=int, default=32)
+    p.add_argument("--files", nargs="+", default=["Q4_1", "Q4_0", "Q8_0"], help="which GGUF files")
     p.add_argument("--out", default=None)
     p.add_argument("--json", default=None)
     args = p.parse_args()
@@ -166,7 +167,7 @@ def main() -> int:
 
     torch.set_num_threads(args.threads)
     results = []
-    for label, path in models():
+    for label, path in models(args.files):
         row = {"model": label, "file": Path(path).name, "threads": args.threads}
         llm = llmopt_engine(path, max(args.seqs))
         a, b = llamacpp_greedy(path, args.threads, args.greedy_tokens), llmopt_greedy(llm, args.greedy_tokens)
@@ -186,6 +187,8 @@ def main() -> int:
         row["median"] = {k: statistics.median(v) for k, v in samples.items()}
         results.append(row)
         del llm
+        if args.json:  # after every file, so that an interrupted run keeps what it measured
+            Path(args.json).write_text(json.dumps({"command": " ".join(sys.argv), "results": results}, indent=1))
     table = render(results, args)
     print(table)
     if args.out:
