@@ -4,6 +4,7 @@
     llmopt chat --model smollm2
     llmopt bench --workload kv-cache --lengths 128 1024
     llmopt serve --model tiny --port 8000
+    llmopt quantize --method gguf --qtype Q4_K_M --model tiny --out tiny-q4_k_m.gguf
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import argparse
 import json
 import sys
 
+from llmopt.quant.gguf_write import QTYPES as GGUF_QTYPES
 from llmopt.server.security import Security, add_security_flags
 
 
@@ -34,7 +36,8 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"])
     g.add_argument("--calculate-kv-scales", action="store_true",
                    help="FP8 KV cache: measure k/v scales on calibration text at start")
-    g.add_argument("--quantization", default=None, choices=["fp8", "int8"])
+    g.add_argument("--quantization", default=None, choices=["fp8", "int8", "gguf"],
+                   help="gguf: keep a GGUF file's Q4_0 / Q4_1 / Q8_0 blocks for the CPU int kernels")
     g.add_argument("--speculative-config", type=_json_dict, default=None,
                    help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
     g.add_argument("--seed", type=int, default=0)
@@ -144,10 +147,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_security_flags(serve)
     add_engine_flags(serve)
 
-    quant = sub.add_parser("quantize", help="quantize a model's weights (RTN, GPTQ, AWQ, FP8) into a checkpoint")
+    quant = sub.add_parser("quantize", help="quantize a model's weights (RTN, GPTQ, AWQ, FP8, GGUF) into a checkpoint")
     quant.add_argument("--model", default="tiny", help="bundled name or HF folder (full precision)")
-    quant.add_argument("--out", required=True, help="folder to write the quantized checkpoint to")
-    quant.add_argument("--method", default="gptq", choices=["rtn", "gptq", "awq", "fp8"])
+    quant.add_argument("--out", required=True, help="folder to write the quantized checkpoint to (gguf: a .gguf file)")
+    quant.add_argument("--method", default="gptq", choices=["rtn", "gptq", "awq", "fp8", "gguf"])
+    quant.add_argument("--qtype", default=None, choices=list(GGUF_QTYPES),
+                       help="gguf: the file's type (default Q4_K_M)")
     quant.add_argument("--bits", type=int, default=None, help="default 4 (8 for fp8)")
     quant.add_argument("--group-size", type=int, default=None, help="default 128; -1: per output channel")
     quant.add_argument("--format", default=None, choices=["gptq", "awq"],
@@ -281,6 +286,10 @@ def _quantize(args) -> int:
 
     from llmopt.quant import quantize
 
+    if args.method == "gguf":
+        return _quantize_gguf(args)
+    if args.qtype is not None:
+        raise ValueError(f"--qtype is for --method gguf, not --method {args.method}")
     calibration = None
     if args.calibration_file is not None:
         path = Path(args.calibration_file)
@@ -295,6 +304,22 @@ def _quantize(args) -> int:
     group = "per channel" if r.group_size == -1 else f"group {r.group_size}"
     print(f"{r.path}: {r.method} {r.bits}-bit, {group}, {r.format} layout; linear weights "
           f"{r.linear_bytes / 2**20:.2f} MiB = {r.linear_bytes_ratio:.1%} of fp16; quantized in {r.seconds:.1f} s")
+    return 0
+
+
+def _quantize_gguf(args) -> int:
+    from llmopt.quant.gguf_write import write_gguf
+
+    given = [f"--{k.replace('_', '-')}" for k in ("bits", "group_size", "format", "calibration_file", "sym",
+                                                  "desc_act", "damp_percent", "static_groups",
+                                                  "true_sequential", "zero_point", "version")
+             if getattr(args, k) is not None]
+    if given:
+        raise ValueError(f"{', '.join(given)} do not apply to --method gguf; it takes --qtype "
+                         f"({', '.join(GGUF_QTYPES)})")
+    r = write_gguf(args.model, args.qtype or "Q4_K_M", args.out, progress=args.progress)
+    types = ", ".join(f"{n} {t}" for t, n in sorted(r.tensor_types.items()))
+    print(f"{r.path}: GGUF {r.qtype} ({types} tensors), {r.file_bytes / 2**20:.2f} MiB; written in {r.seconds:.1f} s")
     return 0
 
 

@@ -15,7 +15,7 @@ import torch
 DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
           "float16": torch.float16, "half": torch.float16}
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
-QUANTIZATION = (None, "fp8", "int8")
+QUANTIZATION = (None, "fp8", "int8", "gguf")
 SPEC_METHODS = ("draft_model", "ngram", "eagle", "layer_skip")
 
 
@@ -91,7 +91,8 @@ class EngineConfig:
             raise ValueError("calculate_kv_scales=True calibrates the scales of an FP8 KV cache; "
                              "set kv_cache_dtype='fp8' (or 'fp8_e5m2') too")
         if self.quantization not in QUANTIZATION:
-            raise ValueError(f"quantization must be None, 'fp8' or 'int8', got {self.quantization!r}")
+            raise ValueError(f"quantization must be None, 'fp8' or 'int8' (or 'gguf' for a GGUF file), "
+                             f"got {self.quantization!r}")
         if self.speculative_config is not None:
             sc = self.speculative_config
             if not isinstance(sc, dict):

