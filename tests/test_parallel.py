@@ -118,6 +118,22 @@ def test_unsupported_combinations_are_refused_before_any_process():
     assert wait_no_workers(before, timeout=1) == []
 
 
+def test_quantized_checkpoint_refused_under_tp_and_kept_whole_under_pp(tmp_path, one_thread):
+    from llmopt.quant import quantize
+
+    folder = tmp_path / "tiny-rtn"
+    quantize("tiny", method="rtn", bits=4, group_size=64, out=str(folder), progress=False)
+    before = set(worker_pids())
+    with pytest.raises(ValueError, match="quantized"):
+        LLM(model=str(folder), num_kv_blocks=32, tensor_parallel_size=2)
+    prompts, params = ["def fibonacci(n):", "class Stack:"], SamplingParams(temperature=0.0, max_tokens=12)
+    ref = [o.outputs[0].token_ids for o in LLM(model=str(folder), num_kv_blocks=32).generate(
+        prompts, params, use_tqdm=False)]
+    with LLM(model=str(folder), num_kv_blocks=32, pipeline_parallel_size=2) as llm:
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == ref
+    assert wait_no_workers(before) == []
+
+
 def test_a_dead_worker_is_a_clear_error_and_no_process_is_left(one_thread):
     before = set(worker_pids())
     llm = LLM(model="tiny", num_kv_blocks=16, tensor_parallel_size=2)

@@ -43,6 +43,11 @@ def check_parallel_config(config, model_config) -> None:
         attention_heads(model_config.num_attention_heads, model_config.num_key_value_heads, tp, r)
     if tp > model_config.intermediate_size or tp > model_config.vocab_size:
         raise ValueError(f"tensor_parallel_size={tp} exceeds the model's intermediate size or vocabulary")
+    method = (model_config.quantization_config or {}).get("quant_method")
+    if tp > 1 and method:
+        raise ValueError(f"tensor_parallel_size={tp}: this checkpoint is quantized ({method}), and quantized "
+                         "layers are not split across ranks yet; use a full-precision checkpoint with tensor "
+                         "parallelism, or pipeline_parallel_size alone (it keeps layers whole)")
 
 
 class MultiprocExecutor:

@@ -26,9 +26,12 @@ import torch.distributed as dist
 
 from llmopt.distributed.parallel_state import ParallelGrid, destroy_groups, init_groups
 from llmopt.distributed.pipeline import StageLink, StageTimeline, keep_stage, stage_forward, stage_layers
-from llmopt.distributed.sharding import RowParallelLinear, attention_heads, shard_llama
+from llmopt.distributed.sharding import RowParallelLinear, VocabParallelEmbedding, attention_heads, shard_llama
 from llmopt.engine.kv_cache import PagedKVCache
 from llmopt.engine.model_runner import build_paged_batch
+
+
+ALL_REDUCING = (RowParallelLinear, VocabParallelEmbedding)  # what counts its bytes and seconds
 
 
 class Worker:
@@ -83,7 +86,7 @@ class Worker:
 
     def report(self) -> dict:
         """What this rank measured: the benchmark and lesson 09 read it."""
-        rows = [m for m in self.model.modules() if isinstance(m, RowParallelLinear)]
+        rows = [m for m in self.model.modules() if isinstance(m, ALL_REDUCING)]
         return {"rank": self.grid.rank, "tp_rank": self.grid.tp_rank, "pp_rank": self.grid.pp_rank,
                 "layers": self.layers, "timeline": list(self.timeline.spans),
                 "compute_seconds": self.compute_seconds,
@@ -95,7 +98,7 @@ class Worker:
         self.timeline.spans.clear()
         self.compute_seconds = 0.0
         for m in self.model.modules():
-            if isinstance(m, RowParallelLinear):
+            if isinstance(m, ALL_REDUCING):
                 m.bytes_reduced, m.seconds = 0, 0.0
 
     def loop(self) -> None:
