@@ -78,7 +78,7 @@ def test_smollm2_tp2_x_pp2_greedy_equals_one_process(one_thread):
         out = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         procs = llm.llm_engine.executor.procs
     assert out == ref
-    assert all(p.returncode == 0 for p in procs)
+    assert [p.returncode for p in procs] == [0, 0, 0]  # each exited on its own when told to
 
 
 def _children(pid: int) -> list[int]:

@@ -35,9 +35,14 @@ from llmopt.distributed.worker import Worker, serve
 from llmopt.engine.model_runner import ModelRunner
 
 
-def check_parallel_config(config, model_config) -> None:
+def check_parallel_config(config, model_config, device: torch.device | None = None) -> None:
     """Everything that makes a TP x PP split impossible, before a process starts."""
     tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
+    if device is not None and device.type == "cuda" and not launched_by_torchrun() \
+            and tp * pp > torch.cuda.device_count():
+        raise ValueError(f"tensor_parallel_size x pipeline_parallel_size = {tp * pp} ranks need as many GPUs "
+                         f"(NCCL puts one rank on each); this machine has {torch.cuda.device_count()}. "
+                         "device='cpu' runs the ranks on the CPU with gloo")
     stage_layers(model_config.num_hidden_layers, pp, 0)
     for r in range(tp):
         attention_heads(model_config.num_attention_heads, model_config.num_key_value_heads, tp, r)
@@ -52,7 +57,7 @@ def check_parallel_config(config, model_config) -> None:
 
 class MultiprocExecutor:
     def __init__(self, config, model_path, model_config, dtype, device):
-        check_parallel_config(config, model_config)
+        check_parallel_config(config, model_config, device)
         tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
         self.tp, self.pp, self.config = tp, pp, config
         self.grid = ParallelGrid(tp, pp, 0)
@@ -171,7 +176,7 @@ class MultiprocExecutor:
         return RuntimeError(self.dead)
 
     def close(self, failed: bool = False) -> None:
-        """Tell the workers to stop and wait for them (a few seconds); kill what is left. After
+        """Tell the workers to stop and wait for them (up to 30 s); kill what is left. After
         a failure nobody is listening any more: they are terminated at once."""
         self._finalizer.detach()
         if not failed and not self._stopper.closed:
@@ -213,7 +218,7 @@ class _Stopper:
                 graceful = False  # they are terminated below
         for p in self.procs:  # wait, then terminate, then kill: never leave one behind
             try:
-                p.wait(timeout=10.0 if graceful else 0.5)
+                p.wait(timeout=30.0 if graceful else 0.5)  # a loaded machine may need it
             except subprocess.TimeoutExpired:
                 p.terminate()
                 try:

@@ -148,6 +148,8 @@ def _die_with_parent(parent: int) -> None:
 
 def serve(config, grid: ParallelGrid, init_method: str, model_path, dtype, device) -> None:
     """A worker rank's whole life: join the groups, build the shard, loop, leave."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # NCCL's collectives (object ones too) run on the current device
     tp_group = init_groups(grid, device, init_method)
     try:
         worker = Worker(config, grid, tp_group, model_path, dtype, device)
@@ -158,7 +160,10 @@ def serve(config, grid: ParallelGrid, init_method: str, model_path, dtype, devic
         worker.init_kv_cache(box[0])
         worker.loop()
     finally:
-        destroy_groups()
+        try:
+            destroy_groups()
+        except Exception:  # the driver may have gone first; nothing is left to release
+            pass
 
 
 def main() -> None:
