@@ -127,9 +127,18 @@ class EngineConfig:
         _int("seed", self.seed)
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):
             _positive_int(name, getattr(self, name))
-            if getattr(self, name) != 1:
-                raise ValueError(f"{name}={getattr(self, name)}: parallelism across devices is not "
-                                 "implemented yet; allowed now: 1")
+        if self.tensor_parallel_size * self.pipeline_parallel_size > 1:
+            # what the parallel workers do not split (yet): refused here rather than run wrong
+            refused = [(self.speculative_config is not None, "speculative_config"),
+                       (self.kv_cache_dtype != "auto", f"kv_cache_dtype={self.kv_cache_dtype!r}"),
+                       (self.quantization is not None and self.tensor_parallel_size > 1,
+                        f"quantization={self.quantization!r} (with tensor_parallel_size > 1)")]
+            for bad, what in refused:
+                if bad:
+                    raise ValueError(f"{what} is not supported with tensor_parallel_size="
+                                     f"{self.tensor_parallel_size}, pipeline_parallel_size="
+                                     f"{self.pipeline_parallel_size}; allowed there: the defaults "
+                                     "(pipeline parallelism alone keeps quantized layers whole)")
 
     # -- resolved values ------------------------------------------------------------------
     def torch_device(self) -> torch.device:

@@ -154,3 +154,14 @@ class LLM:
 
     def get_metrics(self) -> dict[str, float]:
         return self.llm_engine.get_metrics()
+
+    def close(self) -> None:
+        """Stop the worker processes of tensor/pipeline parallelism (also done when the LLM is
+        garbage-collected or Python exits); a one-process LLM has nothing to stop."""
+        self.llm_engine.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

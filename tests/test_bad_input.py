@@ -106,8 +106,8 @@ def test_model_given_as_a_file(copy_of_tiny):
     (dict(scheduling_policy="lifo"), "scheduling_policy"),
     (dict(kv_cache_dtype="int3"), "kv_cache_dtype"),
     (dict(quantization="int2"), "quantization"),
-    (dict(tensor_parallel_size=2), "tensor_parallel_size"),
-    (dict(pipeline_parallel_size=4), "pipeline_parallel_size"),
+    (dict(tensor_parallel_size=4), "tensor_parallel_size"),  # 6 heads in 2 KV groups: 1, 2, 3 or 6
+    (dict(pipeline_parallel_size=7), "pipeline_parallel_size"),  # 6 layers
     (dict(dtype="float64"), "dtype"),
     (dict(device="tpu"), "device"),
     (dict(max_model_len=100000), "max_model_len"),

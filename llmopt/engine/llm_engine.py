@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from numbers import Integral
 from pathlib import Path
@@ -59,7 +60,11 @@ class LLMEngine:
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         torch.manual_seed(config.seed)
-        self.model = load_model(self.model_path, self.dtype, self.device, config.quantization)
+        self.executor = None  # tensor/pipeline parallel: the driver's handle on the worker ranks
+        if config.tensor_parallel_size * config.pipeline_parallel_size > 1:
+            self.model = self._start_workers()
+        else:
+            self.model = load_model(self.model_path, self.dtype, self.device, config.quantization)
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
 
         cfg = self.model_config
@@ -67,20 +72,33 @@ class LLMEngine:
         self.proposer = self._make_proposer(config.speculative_config)
         # the pool's dtype: the model's, or FP8 (1 byte a number: more blocks in the same budget)
         self.kv_cache_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, self.dtype)
+        if cfg.mla is not None and self.executor is not None:
+            self.close()
+            raise ValueError("tensor_parallel_size / pipeline_parallel_size > 1 do not shard MLA "
+                             "(DeepSeek) models yet; use tensor_parallel_size=1 and "
+                             "pipeline_parallel_size=1")
         if cfg.mla is not None:  # DeepSeek: one latent row per token and layer, not K and V
             self.bytes_per_block = MLAPagedKVCache.bytes_per_block(
                 cfg.num_hidden_layers, self.block_size, cfg.mla, self.kv_cache_dtype)
         else:
+            # with parallel workers, one rank's share of a block: its stage's layers, its KV heads
+            layers, kv_heads = ((cfg.num_hidden_layers, cfg.num_key_value_heads) if self.executor is None
+                                else (self.executor.kv_layers, self.executor.kv_heads))
             self.bytes_per_block = PagedKVCache.bytes_per_block(
-                cfg.num_hidden_layers, self.block_size, cfg.num_key_value_heads, cfg.head_dim,
-                self.kv_cache_dtype)
+                layers, self.block_size, kv_heads, cfg.head_dim, self.kv_cache_dtype)
         if self.proposer is not None:  # a draft's KV lives in blocks of the same tables
             self.bytes_per_block += self.proposer.bytes_per_block(self.block_size)
-        self.num_blocks = config.num_kv_blocks or kv_blocks_from_budget(
-            config, self.model, self.device, self.max_model_len, self.bytes_per_block)
-        check_kv_pool_fits(self.num_blocks, self.bytes_per_block, self.device)
+        try:
+            self.num_blocks = config.num_kv_blocks or kv_blocks_from_budget(
+                config, self.model, self.device, self.max_model_len, self.bytes_per_block)
+            check_kv_pool_fits(self.num_blocks, self.bytes_per_block, self.device)
+        except BaseException:
+            self.close()
+            raise
         self.block_manager = BlockManager(self.num_blocks, self.block_size, config.enable_prefix_caching)
-        if cfg.mla is not None:
+        if self.executor is not None:  # every rank allocates its share of the same blocks
+            self.kv_cache = self.executor.init_kv_cache(self.num_blocks)
+        elif cfg.mla is not None:
             self.kv_cache = MLAPagedKVCache(cfg.num_hidden_layers, self.num_blocks, self.block_size,
                                             cfg.mla, self.dtype, self.device, config.kv_cache_dtype)
         else:
@@ -96,8 +114,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens, config.enable_chunked_prefill,
                                    config.scheduling_policy)
-        self.runner = ModelRunner(self.model, self.kv_cache, self.block_manager, self.device,
-                                  self.eos_token_ids)
+        self.runner = (ModelRunner if self.executor is None else self.executor.make_runner)(
+            self.model, self.kv_cache, self.block_manager, self.device, self.eos_token_ids)
         self.requests: dict[str, Sequence] = {}
         self.trace: list[dict] | None = [] if config.enable_trace else None
         self.step_count = 0
@@ -109,6 +127,25 @@ class LLMEngine:
             self.proposer.bind(self.block_manager, self.num_blocks)
         self.spec_stats = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0,
                            "accepted_per_position": [0] * self.num_spec_tokens}
+
+    def _start_workers(self):
+        """Tensor/pipeline parallel: start the worker ranks (or, under torchrun on a rank other
+        than 0, serve as one and exit); returns the driver's own shard of the model."""
+        from llmopt.distributed import executor
+        from llmopt.distributed.parallel_state import launched_by_torchrun
+
+        if launched_by_torchrun() and int(os.environ["RANK"]) != 0:
+            executor.serve_torchrun_rank(self.config, self.model_path, self.model_config, self.dtype,
+                                         self.device)
+            raise SystemExit(0)
+        self.executor = executor.MultiprocExecutor(self.config, self.model_path, self.model_config,
+                                                   self.dtype, self.device)
+        return self.executor.model
+
+    def close(self) -> None:
+        """Stop the worker ranks, if any (a one-process engine holds nothing to release)."""
+        if self.executor is not None:
+            self.executor.close()
 
     def _make_proposer(self, sc: dict | None):
         """The speculative proposer `speculative_config` asks for (None: plain decoding)."""
@@ -211,6 +248,15 @@ class LLMEngine:
 
     # -- one step --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self.executor is not None and self.executor.pp > 1:  # micro-batches in flight
+            from llmopt.distributed.micro_batches import pipelined_step
+
+            return pipelined_step(self)
+        sched, hits_before = self._schedule()
+        sampled, errors = self._execute(sched.scheduled)
+        return self._process(sched, sampled, errors, hits_before)
+
+    def _schedule(self):
         bm = self.block_manager
         bm.step_allocated, bm.step_freed = [], []
         hits_before = bm.prefix_hits
@@ -228,7 +274,11 @@ class LLMEngine:
         for seq, _ in sched.scheduled:
             if seq.metrics.first_scheduled_time is None:
                 seq.metrics.first_scheduled_time = now
-        sampled, errors = self._execute(sched.scheduled)
+        return sched, hits_before
+
+    def _process(self, sched, sampled, errors, hits_before) -> list[RequestOutput]:
+        """Bookkeeping after a step's forward: tokens appended, stops checked, blocks freed or cached."""
+        bm = self.block_manager
         now = time.perf_counter()
         before = {seq.request_id: (seq.num_computed_tokens, len(seq.spec_token_ids))
                   for seq, _ in sched.scheduled}

@@ -53,7 +53,9 @@ class ModelRunner:
         self.model, self.kv_cache, self.bm, self.device = model, kv_cache, block_manager, device
         self.eos_token_ids = eos_token_ids  # held back until min_tokens, with stop_token_ids
 
-    def prepare(self, scheduled: list[tuple[Sequence, int]]):
+    def step_inputs(self, scheduled: list[tuple[Sequence, int]]):
+        """The step as plain lists: new token ids (flat), each sequence's start position,
+        new-token count and block table."""
         ids, starts, lens, tables = [], [], [], []
         for seq, n in scheduled:
             start = seq.num_computed_tokens
@@ -61,6 +63,10 @@ class ModelRunner:
             starts.append(start)
             lens.append(n)
             tables.append(self.bm.block_tables[seq.request_id])
+        return ids, starts, lens, tables
+
+    def prepare(self, scheduled: list[tuple[Sequence, int]]):
+        ids, starts, lens, tables = self.step_inputs(scheduled)
         positions, batch = build_paged_batch(tables, starts, lens, self.bm.block_size, self.device)
         return torch.tensor(ids, device=self.device), positions, batch
 
@@ -74,8 +80,16 @@ class ModelRunner:
         self.last_batch = batch
         hidden = self.model(input_ids, positions, self.kv_cache)
         self.last_hidden = hidden  # an EAGLE head drafts from the target's features
-        # A row samples when this step reaches its last known token; with k drafts the last
-        # k + 1 positions all get logits: p_1..p_{k+1} for the rejection sampler.
+        rows, index = self.sampling_rows(scheduled)
+        if not rows:
+            return {}
+        return self.sample(rows, self.model.compute_logits(hidden[torch.tensor(index, device=hidden.device)]))
+
+    @staticmethod
+    def sampling_rows(scheduled) -> tuple[list[Sequence], list[int]]:
+        """The sequences that sample this step, and the flat positions that need logits. A row
+        samples when this step reaches its last known token; with k drafts the last k + 1
+        positions all get logits: p_1..p_{k+1} for the rejection sampler."""
         rows, index, end = [], [], 0
         for seq, n in scheduled:
             end += n
@@ -83,9 +97,10 @@ class ModelRunner:
             if seq.num_computed_tokens + n == seq.num_tokens + k:
                 rows.append(seq)
                 index += range(end - 1 - k, end)
-        if not rows:
-            return {}
-        logits = self.model.compute_logits(hidden[torch.tensor(index, device=hidden.device)])
+        return rows, index
+
+    def sample(self, rows: list[Sequence], logits: torch.Tensor) -> dict[str, list[tuple]]:
+        """Tokens (and logprobs) for every sampling row, from its logits."""
         out, at = {}, 0
         plain = [i for i, s in enumerate(rows) if not s.spec_token_ids]
         firsts = []
