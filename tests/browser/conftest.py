@@ -81,7 +81,8 @@ def browser(lab):
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as p:
-        # --no-sandbox: CI runs as root, where Chromium's sandbox cannot start
-        b = p.chromium.launch(executable_path=chromium(), args=["--no-sandbox"])
+        # --no-sandbox: CI runs as root, where Chromium's sandbox cannot start;
+        # --disable-dev-shm-usage: containers often give /dev/shm too little room for its tabs
+        b = p.chromium.launch(executable_path=chromium(), args=["--no-sandbox", "--disable-dev-shm-usage"])
         yield b
         b.close()

@@ -24,6 +24,7 @@ import nbformat
 from playwright.sync_api import Browser
 
 import lab_page
+import cpu_time
 import kernel_messages
 import nbval_in_browser
 import widget_controls
@@ -76,9 +77,11 @@ class Report:
     console: list[str] = field(default_factory=list)
     seconds: dict = field(default_factory=dict)
     nbval_cells: int = 0   # cells nbval checked on this run (0: nbval was not asked for)
+    cpu_seconds: dict = field(default_factory=dict)  # by process kind: the kernel's vs the browser's cost
 
     def summary(self) -> str:
         lines = [f"{self.name}: {self.seconds}, nbval cells checked on this run: {self.nbval_cells}",
+                 f"  CPU seconds {self.cpu_seconds}",
                  f"  stored {self.stored}", f"  ran    {self.ran}", f"  drawn  {self.drawn}"]
         lines += [f"  {m}" for m in self.moves]
         lines += [f"  console (harmless): {c}" for c in self.console]
@@ -133,7 +136,7 @@ def check_notebook(browser: Browser, lab, path: Path, shots: Path, *, nbval_item
     errors: list[str] = []
     page.on("console", lambda m: errors.append(f"console.{m.type}: {m.text}") if m.type == "error" else None)
     page.on("pageerror", lambda e: errors.append(f"uncaught: {e}"))
-    t0 = time.monotonic()
+    t0, cpu0 = time.monotonic(), cpu_time.cpu_seconds()
     try:
         lab_page.open_notebook(page, lab.lab_url(path.name), timeout_s=120)
         report.seconds["open"] = round(time.monotonic() - t0, 1)
@@ -157,6 +160,7 @@ def check_notebook(browser: Browser, lab, path: Path, shots: Path, *, nbval_item
         for text in dict.fromkeys(kernel_messages.stray_errors(*kernel_messages.recorded(page))):
             report.problems.append(f"the kernel reported outside any cell (a widget callback): {text[-500:]}")
         page.screenshot(path=str(shots / f"{path.stem}.png"))
+        report.cpu_seconds = cpu_time.since(cpu0)
         lab_page.shut_down(page)
     except Exception as e:  # a page that never loads or a run that never ends is a finding too
         report.problems.append(f"{type(e).__name__}: {str(e)[:500]}")
