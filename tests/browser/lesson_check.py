@@ -126,7 +126,7 @@ def harmless_reason(message: str) -> str | None:
 
 
 def check_notebook(browser: Browser, lab, path: Path, shots: Path, *, nbval_items=None,
-                   run_timeout_s: float = 900, move_timeout_s: float = 90) -> Report:
+                   run_timeout_s: float = 1800, move_timeout_s: float = 90) -> Report:
     """Run `path` (a notebook in the server's root) in a fresh page and check what the learner sees;
     with `nbval_items` (nbval's items for this notebook), make nbval's check on the same run."""
     report = Report(name=path.stem)
@@ -157,7 +157,8 @@ def check_notebook(browser: Browser, lab, path: Path, shots: Path, *, nbval_item
         t2 = time.monotonic()
         _check_widgets(page, report, shots, move_timeout_s)
         report.seconds["widgets"] = round(time.monotonic() - t2, 1)
-        for text in dict.fromkeys(kernel_messages.stray_errors(*kernel_messages.recorded(page))):
+        stray = kernel_messages.stray_errors(*kernel_messages.recorded(page), kernel_messages.page_comms(page))
+        for text in dict.fromkeys(stray):
             report.problems.append(f"the kernel reported outside any cell (a widget callback): {text[-500:]}")
         page.screenshot(path=str(shots / f"{path.stem}.png"))
         report.cpu_seconds = cpu_time.since(cpu0)
