@@ -1,0 +1,1 @@
+"""The browser suite: the lessons run in JupyterLab in headless Chromium (see conftest.py)."""

@@ -1,0 +1,88 @@
+"""Fixtures of the browser suite: one JupyterLab server and one headless Chromium per test session.
+
+The suite needs Playwright's Python package (the `dev` extra) and a Chromium on the machine
+(Debian: `apt-get install chromium`; another one: LLMOPT_CHROMIUM=/path/to/chrome). Without
+them its tests are skipped, and nbval checks the lessons on its own, as before; with CI set they
+fail instead, so that CI cannot pass without having looked at the lessons in a browser.
+
+When the suite runs a lesson and nbval was asked for (`pytest --nbval`), nbval's items for that
+notebook are taken out of the run and their check is made on the browser's run of the lesson
+(see nbval_in_browser.py), so each lesson runs once.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the suite's modules, imported by name
+
+from browser_env import ARTIFACTS, LESSONS_DIR, chromium, lessons, unavailable  # noqa: E402
+
+NBVAL_ITEMS = pytest.StashKey[dict]()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Take nbval's items of each lesson the browser suite will run out of the run (see above)."""
+    if unavailable():
+        return
+    in_browser = {item.callspec.params["lesson"] for item in items
+                  if item.nodeid.startswith("tests/browser/test_browser_lessons.py::") and hasattr(item, "callspec")}
+    moved: dict[str, list] = {}
+    kept = []
+    for item in items:
+        path = Path(str(getattr(item, "fspath", "")))
+        if type(item).__name__ == "IPyNbCell" and path.parent == LESSONS_DIR and path.stem in in_browser:
+            moved.setdefault(path.stem, []).append(item)
+        else:
+            kept.append(item)
+    if moved:
+        config.stash[NBVAL_ITEMS] = moved
+        config.hook.pytest_deselected(items=[i for group in moved.values() for i in group])
+        items[:] = kept
+
+
+@pytest.fixture(scope="session")
+def nbval_items(request) -> dict:
+    """lesson name -> nbval's items for it, when nbval was asked for and the browser runs it."""
+    return request.config.stash.get(NBVAL_ITEMS, {})
+
+
+@pytest.fixture(scope="package")
+def artifacts() -> Path:
+    shutil.rmtree(ARTIFACTS, ignore_errors=True)
+    ARTIFACTS.mkdir(parents=True)
+    return ARTIFACTS
+
+
+@pytest.fixture(scope="package")  # stopped once the suite is done, not at the end of the whole run
+def lab(tmp_path_factory, artifacts):
+    """JupyterLab serving a scratch copy of the lessons (tests add their own notebooks there)."""
+    reason = unavailable()
+    if reason:
+        if os.environ.get("CI"):
+            pytest.fail(f"the browser suite must run in CI: {reason}")
+        pytest.skip(reason)
+    from lab_server import JupyterLab
+
+    root = tmp_path_factory.mktemp("lab-root")
+    for path in lessons():
+        shutil.copy(path, root / path.name)
+    with JupyterLab(root, log=artifacts / "jupyterlab.log") as server:
+        yield server
+
+
+@pytest.fixture(scope="package")
+def browser(lab):
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        # --no-sandbox: CI runs as root, where Chromium's sandbox cannot start;
+        # --disable-dev-shm-usage: containers often give /dev/shm too little room for its tabs
+        b = p.chromium.launch(executable_path=chromium(), args=["--no-sandbox", "--disable-dev-shm-usage"])
+        yield b
+        b.close()

