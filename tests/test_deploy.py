@@ -274,8 +274,10 @@ def test_a_replica_killed_under_load_fails_no_request_that_had_not_started_strea
     wait_idle(replicas)
     victim = replicas[0]
     # 2 per replica: once the victim's are retried, the two left hold 3 each, within their 2 + 3 places
-    payloads = [body(96, stream=i % 2 == 0) for i in range(6)]
-    killer = threading.Timer(1.5, lambda: victim.proc.send_signal(signal.SIGKILL))
+    # long enough that a quiet machine is still generating when the kill lands (96 tokens were
+    # all done within 1.5 s on an idle 2-core machine, and the test then proved nothing)
+    payloads = [body(400, stream=i % 2 == 0) for i in range(6)]
+    killer = threading.Timer(0.75, lambda: victim.proc.send_signal(signal.SIGKILL))
     killer.start()
     try:
         results = post_all(lb.url, payloads)
