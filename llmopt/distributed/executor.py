@@ -7,7 +7,7 @@ to be importable from the caller's `__main__`: it works the same from a script, 
 notebook or the server. Under `torchrun` the ranks already exist: rank 0 becomes the
 driver, every other rank a worker (see `serve_torchrun_rank`).
 
-No orphans: workers die with the driver (PR_SET_PDEATHSIG and a parent watch), exit when
+No orphans: workers die with the driver (their stdin, held open by it, ends), exit when
 `close()` tells them to or the `LLM` is garbage-collected, and ignore Ctrl-C, which the
 driver defers to the end of the step under way so that no rank is left inside a collective.
 """
@@ -226,6 +226,8 @@ class _Stopper:
                 except subprocess.TimeoutExpired:
                     p.kill()
                     p.wait()
+            with contextlib.suppress(OSError):
+                p.stdin.close()
         with contextlib.suppress(Exception):
             destroy_groups()
 
@@ -234,7 +236,7 @@ def _spawn(args: dict) -> subprocess.Popen:
     proc = subprocess.Popen([sys.executable, "-m", "llmopt.distributed.worker"], stdin=subprocess.PIPE,
                             env={**os.environ, "OMP_NUM_THREADS": str(args["threads"])})
     proc.stdin.write(pickle.dumps(args))
-    proc.stdin.close()
+    proc.stdin.flush()  # stdin stays open: its end of file tells the worker the driver is gone
     return proc
 
 

@@ -129,21 +129,27 @@ class Worker:
 
 
 def _die_with_parent(parent: int) -> None:
-    """No orphans: if the driver goes away (killed, crashed), so does this worker."""
-    try:  # Linux: the kernel sends SIGKILL when the parent dies
-        import ctypes
+    """No orphans: if the driver goes away (killed, crashed), so does this worker.
 
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+    The driver keeps this process's stdin open for as long as it lives; the kernel closes it
+    when the driver's process ends, however it ends, and the read below returns. (Not
+    PR_SET_PDEATHSIG: that fires when the *thread* that started the worker exits, and the
+    server starts its engine from a loading thread that ends once the model is up.) The
+    parent-pid poll covers a driver that handed its end of the pipe to a forked child.
+    """
 
-    def watch():
-        while True:
-            if os.getppid() != parent:
-                os._exit(1)
+    def watch_pipe():
+        while sys.stdin.buffer.read1(65536):
+            pass
+        os._exit(1)
+
+    def watch_pid():
+        while os.getppid() == parent:
             time.sleep(0.5)
+        os._exit(1)
 
-    threading.Thread(target=watch, daemon=True).start()
+    threading.Thread(target=watch_pipe, daemon=True).start()
+    threading.Thread(target=watch_pid, daemon=True).start()
 
 
 def serve(config, grid: ParallelGrid, init_method: str, model_path, dtype, device) -> None:

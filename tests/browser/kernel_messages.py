@@ -63,27 +63,39 @@ def page_comms(page: Page) -> dict[str, str]:
 
 # The widget manager opens a control comm when it connects to a kernel, to ask for the state of
 # widgets made before the page was there. A fresh kernel that has not imported ipywidgets yet has
-# no such target and drops the comm; the manager's next message on it makes the kernel log "No
-# such comm". No widget exists then, so there is nothing to restore and nothing the learner misses.
-HARMLESS_KERNEL_LOG = re.compile(r"^No such comm: (\S+)\s*$")
+# no such target: it logs "No such comm target registered: jupyter.widget.control" and drops the
+# comm, and the manager's next message on it makes the kernel log "No such comm <id>". No widget
+# exists then, so there is nothing to restore and nothing the learner misses. Which of the two lines
+# reaches the recorder depends on how long the kernel took to start (a lesson importing torch and
+# gguf at the top is slower), so both are recognised. "No such comm <id>" is harmless for the
+# control comm's id; when the kernel was that slow, the page opened the control comm before the
+# recorder started, so an id the recorder never saw opened counts as the control comm's once the
+# kernel has said it had no control target.
 CONTROL_TARGET = "jupyter.widget.control"
+HARMLESS_KERNEL_LOG = re.compile(r"^No such comm: (\S+)\s*$")
+HARMLESS_NO_TARGET = re.compile(r"^No such comm target registered: " + re.escape(CONTROL_TARGET) + r"\s*$")
+
+
+def _harmless(line: str, comms: dict[str, str], no_target_seen: bool) -> bool:
+    if HARMLESS_NO_TARGET.match(line):
+        return True
+    no_comm = HARMLESS_KERNEL_LOG.match(line)
+    if not no_comm:
+        return False
+    target = comms.get(no_comm.group(1))
+    return target == CONTROL_TARGET or (target is None and no_target_seen)
 
 
 def stray_errors(sent: list[dict], iopub: dict[str, list[dict]], comms: dict[str, str]) -> list[str]:
     """Errors and stderr the kernel sent in answer to no cell (a widget callback's), as text,
-    less the "No such comm" of the widget manager's own control comm (see HARMLESS_KERNEL_LOG)."""
+    less the widget manager's own control comm's (see HARMLESS_KERNEL_LOG)."""
     cells = {r["id"] for r in sent}
-    found = []
-    for parent, messages in iopub.items():
-        if parent in cells:
-            continue
-        for m in messages:
-            c = m["content"]
-            if m["msg_type"] == "error":
-                found.append(f"{c['ename']}: {c['evalue']}")
-            elif m["msg_type"] == "stream" and c.get("name") == "stderr":
-                lines = [line for line in c["text"].splitlines() if line.strip()]
-                harmless = [HARMLESS_KERNEL_LOG.match(line) for line in lines]
-                if not all(h and comms.get(h.group(1)) == CONTROL_TARGET for h in harmless):
-                    found.append(c["text"])
+    stray = [m for parent, messages in iopub.items() if parent not in cells for m in messages]
+    stderr = [m["content"]["text"] for m in stray if m["msg_type"] == "stream" and m["content"].get("name") == "stderr"]
+    no_target_seen = any(HARMLESS_NO_TARGET.match(line) for text in stderr for line in text.splitlines())
+    found = [f"{m['content']['ename']}: {m['content']['evalue']}" for m in stray if m["msg_type"] == "error"]
+    for text in stderr:
+        lines = [line for line in text.splitlines() if line.strip()]
+        if not all(_harmless(line, comms, no_target_seen) for line in lines):
+            found.append(text)
     return found
