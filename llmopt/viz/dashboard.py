@@ -19,8 +19,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import ipywidgets as widgets
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
+
+from llmopt.viz.notebook import LessonWidget, show_outputs
 
 
 @dataclass
@@ -136,6 +139,8 @@ def panel_rows(dashboard: dict, before: Scrape, after: Scrape) -> list[dict]:
             value = evaluate(target["expr"], before, after)
             legend = target.get("legendFormat", "")
             items = value.items() if isinstance(value, dict) else [(None, value)]
+            if not items:  # no series matched: Grafana draws "No data", so does the figure
+                items = [("", None)]
             for key, v in items:
                 label = re.sub(r"\{\{\s*\w+\s*\}\}", key or "", legend) if key is not None else legend
                 rows.append({"panel": panel["title"], "series": label, "value": v, "unit": unit})
@@ -182,3 +187,31 @@ def dashboard_figure(rows: list[dict], columns: int = 3, title: str = "") -> go.
     fig.update_layout(height=300 * n_rows, title=title or "the llmopt dashboard, from two scrapes of the replicas",
                       margin=dict(t=80, b=40))
     return fig
+
+
+def panel_queries(dashboard: dict, panel: str, rows: list[dict]) -> str:
+    """One panel as Grafana's editor shows it: each PromQL line, then what it gave per series."""
+    found = [p for p in dashboard["panels"] if p["title"] == panel]
+    if not found:
+        raise ValueError(f"no panel {panel!r}; the dashboard has: {[p['title'] for p in dashboard['panels']]}")
+    lines = [f"{panel} (unit: {found[0]['fieldConfig']['defaults'].get('unit', '') or 'none'})", "PromQL:"]
+    lines += [f"    {t['expr']}" for t in found[0]["targets"]]
+    lines.append("on the two scrapes:")
+    lines += [f"    {r['series']:<34} {_show(r['value'], r['unit'])}" for r in rows if r["panel"] == panel]
+    return "\n".join(lines)
+
+
+def dashboard_widget(dashboard: dict, rows: list[dict]) -> LessonWidget:
+    """Pick a panel: its bars and the PromQL behind them, as Grafana's panel editor pairs them."""
+    panels = list(dict.fromkeys(r["panel"] for r in rows))
+    pick = widgets.Dropdown(options=panels, description="panel")
+    out = widgets.Output()
+
+    def draw(*_):
+        mine = [r for r in rows if r["panel"] == pick.value]
+        show_outputs(out, dashboard_figure(mine, columns=1, title=pick.value).update_layout(height=320),
+                     panel_queries(dashboard, pick.value, rows))
+
+    pick.observe(draw, "value")
+    draw()
+    return LessonWidget("the dashboard panel by panel", [pick, out])
