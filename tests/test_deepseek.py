@@ -8,9 +8,9 @@ generation token-identical to `transformers.generate`.
 import pytest
 import torch
 
+from checkpoints import assert_flat_logits_match, hf_model
 from deepseek_checkpoints import VARIANTS, write_deepseek
 from llmopt import LLM, SamplingParams
-from llmopt.engine.kv_cache import NoKVCache
 from llmopt.model.config import ModelConfig
 from llmopt.model.loader import load_model
 
@@ -29,26 +29,12 @@ def deepseek_dir(tmp_path_factory):
     return get
 
 
-def hf_model(folder):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-
-
 @pytest.mark.parametrize("name", NAMES)
 @torch.inference_mode()
 def test_logits_match_transformers(name, deepseek_dir):
     folder = deepseek_dir(name)
-    ours, ref = load_model(folder), hf_model(folder)
-    g = torch.Generator().manual_seed(0)
-    lengths = [5, 17, 90]  # 90 > original_max_position_embeddings: YaRN's interpolated band is used
-    seqs = [torch.randint(3, 4096, (n,), generator=g) for n in lengths]
-    expected = [ref(input_ids=s[None]).logits[0] for s in seqs]
-    cache = NoKVCache()
-    cache.begin_step(lengths)
-    flat = ours.compute_logits(ours(torch.cat(seqs), torch.cat([torch.arange(n) for n in lengths]), cache))
-    for got, want in zip(flat.split(lengths), expected):
-        assert (got - want).abs().max().item() <= 1e-4
+    # 90 > original_max_position_embeddings: YaRN's interpolated band is used
+    assert_flat_logits_match(load_model(folder), hf_model(folder), [5, 17, 90])
 
 
 def test_config_reads_deepseek_fields(deepseek_dir):

@@ -87,3 +87,17 @@ def test_trace_counts_tokens_per_expert(folder, prompts):
             assert len(counts) == 8 and sum(counts) == 2 * tokens  # top-2 of 8 experts
             assert moe["load_imbalance"][layer] == pytest.approx(max(counts) / (sum(counts) / 8))
             assert len(moe["expert_ids"][layer]) == tokens
+
+
+@pytest.mark.parametrize("split", [dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2)])
+def test_tensor_or_pipeline_parallel_mla_is_refused_before_any_worker_starts(folder, split):
+    import llmopt.distributed.executor as executor
+
+    started = []
+    real_spawn, executor._spawn = executor._spawn, lambda args: started.append(args)
+    try:
+        with pytest.raises(ValueError, match="do not shard MLA"):
+            LLM(model=folder, num_kv_blocks=16, **split)
+    finally:
+        executor._spawn = real_spawn
+    assert started == []

@@ -8,8 +8,9 @@ biases), tied-embedding MQA Llama (linear RoPE), Qwen2 and Mistral (sliding wind
 import pytest
 import torch
 
+from checkpoints import assert_flat_logits_match, hf_model
 from llmopt import LLM, SamplingParams, model_path
-from llmopt.engine.kv_cache import ContiguousKVCache, NoKVCache
+from llmopt.engine.kv_cache import ContiguousKVCache
 from llmopt.model.loader import load_model
 
 RANDOM = ["llama3", "llama-tied", "qwen2", "mistral"]
@@ -20,28 +21,13 @@ def folder_of(name, checkpoint_dir):
     return model_path(name) if name in ("tiny", "tiny-draft") else checkpoint_dir(name)
 
 
-def hf_model(folder):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-
-
 @pytest.mark.parametrize("name", ALL)
 @torch.inference_mode()
 def test_logits_match_transformers(name, checkpoint_dir):
     folder = folder_of(name, checkpoint_dir)
     ours, ref = load_model(folder), hf_model(folder)
-    g = torch.Generator().manual_seed(0)
-    lengths = [5, 17, 60]
-    seqs = [torch.randint(3, 4096, (n,), generator=g) for n in lengths]
-    expected = [ref(input_ids=s[None]).logits[0] for s in seqs]
-
     # naive path: the three sequences flattened into one varlen batch
-    cache = NoKVCache()
-    cache.begin_step(lengths)
-    flat = ours.compute_logits(ours(torch.cat(seqs), torch.cat([torch.arange(n) for n in lengths]), cache))
-    for got, want in zip(flat.split(lengths), expected):
-        assert (got - want).abs().max().item() <= 1e-4
+    seqs, expected = assert_flat_logits_match(ours, ref, [5, 17, 60])
 
     # cached path: prefill a prefix, then decode the rest one token at a time
     cfg = ours.config

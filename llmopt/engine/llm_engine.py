@@ -25,9 +25,9 @@ from pathlib import Path
 import torch
 
 from llmopt.config import EngineConfig
+from llmopt.engine import kv_pools
 from llmopt.engine.block_manager import BlockManager
-from llmopt.engine.kv_cache import PagedKVCache, calibration_token_ids, kv_cache_torch_dtype
-from llmopt.engine.mla_cache import MLAPagedKVCache
+from llmopt.engine.kv_cache import kv_cache_torch_dtype
 from llmopt.engine.memory import check_kv_pool_fits, kv_blocks_from_budget
 from llmopt.engine.model_runner import ModelRunner
 from llmopt.engine.request_checks import check_prompt, check_request
@@ -39,6 +39,7 @@ from llmopt.model.loader import load_model, load_tokenizer
 from llmopt.model.registry import resolve_model
 from llmopt.outputs import RequestOutput
 from llmopt.sampling_params import SamplingParams
+from llmopt.spec.proposers import make_proposer
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +54,10 @@ class LLMEngine:
             raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's "
                              f"max_position_embeddings ({limit}); allowed: 1..{limit}")
         self.max_model_len = config.max_model_len or limit
+        if self.model_config.mla is not None and config.tensor_parallel_size * config.pipeline_parallel_size > 1:
+            raise ValueError("tensor_parallel_size / pipeline_parallel_size > 1 do not shard MLA "
+                             "(DeepSeek) models yet; use tensor_parallel_size=1 and "
+                             "pipeline_parallel_size=1")
         self.device = config.torch_device()
         self.dtype = config.torch_dtype(self.model_config.torch_dtype)
         self.tokenizer = load_tokenizer(config.tokenizer or self.model_path)
@@ -69,23 +74,11 @@ class LLMEngine:
 
         cfg = self.model_config
         self.block_size = config.block_size
-        self.proposer = self._make_proposer(config.speculative_config)
+        self.proposer = make_proposer(config.speculative_config, self.model, self.model_config, self.model_path,
+                                      self.dtype, self.device)
         # the pool's dtype: the model's, or FP8 (1 byte a number: more blocks in the same budget)
         self.kv_cache_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, self.dtype)
-        if cfg.mla is not None and self.executor is not None:
-            self.close()
-            raise ValueError("tensor_parallel_size / pipeline_parallel_size > 1 do not shard MLA "
-                             "(DeepSeek) models yet; use tensor_parallel_size=1 and "
-                             "pipeline_parallel_size=1")
-        if cfg.mla is not None:  # DeepSeek: one latent row per token and layer, not K and V
-            self.bytes_per_block = MLAPagedKVCache.bytes_per_block(
-                cfg.num_hidden_layers, self.block_size, cfg.mla, self.kv_cache_dtype)
-        else:
-            # with parallel workers, one rank's share of a block: its stage's layers, its KV heads
-            layers, kv_heads = ((cfg.num_hidden_layers, cfg.num_key_value_heads) if self.executor is None
-                                else (self.executor.kv_layers, self.executor.kv_heads))
-            self.bytes_per_block = PagedKVCache.bytes_per_block(
-                layers, self.block_size, kv_heads, cfg.head_dim, self.kv_cache_dtype)
+        self.bytes_per_block = kv_pools.bytes_per_block(cfg, self.block_size, self.kv_cache_dtype, self.executor)
         if self.proposer is not None:  # a draft's KV lives in blocks of the same tables
             self.bytes_per_block += self.proposer.bytes_per_block(self.block_size)
         try:
@@ -96,21 +89,7 @@ class LLMEngine:
             self.close()
             raise
         self.block_manager = BlockManager(self.num_blocks, self.block_size, config.enable_prefix_caching)
-        if self.executor is not None:  # every rank allocates its share of the same blocks
-            self.kv_cache = self.executor.init_kv_cache(self.num_blocks)
-        elif cfg.mla is not None:
-            self.kv_cache = MLAPagedKVCache(cfg.num_hidden_layers, self.num_blocks, self.block_size,
-                                            cfg.mla, self.dtype, self.device, config.kv_cache_dtype)
-        else:
-            self.kv_cache = PagedKVCache(cfg.num_hidden_layers, self.num_blocks, self.block_size,
-                                         cfg.num_key_value_heads, cfg.head_dim, self.dtype, self.device,
-                                         self.kv_cache_dtype)
-        if self.kv_cache.is_fp8:  # per-layer K/V scales: calibrated, else the checkpoint's, else 1.0
-            if config.calculate_kv_scales:
-                self.kv_cache.calibrate(self.model, calibration_token_ids(
-                    self.tokenizer, seq_len=min(512, self.max_model_len)))
-            else:
-                self.kv_cache.load_scales(self.model_path)
+        self.kv_cache = kv_pools.build_kv_pool(self)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens, config.enable_chunked_prefill,
                                    config.scheduling_policy)
@@ -146,38 +125,6 @@ class LLMEngine:
         """Stop the worker ranks, if any (a one-process engine holds nothing to release)."""
         if self.executor is not None:
             self.executor.close()
-
-    def _make_proposer(self, sc: dict | None):
-        """The speculative proposer `speculative_config` asks for (None: plain decoding)."""
-        from llmopt.spec.proposers import DraftModelProposer, EagleProposer, NgramProposer
-
-        if sc is None:
-            return None
-        if sc["method"] == "ngram":
-            return NgramProposer(sc.get("prompt_lookup_min", 1), sc.get("prompt_lookup_max", 4))
-        if sc["method"] == "layer_skip":  # the target's own first layers draft (spec/layer_skip.py)
-            from llmopt.spec.layer_skip import LayerSkipProposer
-
-            layers = self.model_config.num_hidden_layers
-            if not sc["exit_layer"] < layers:
-                raise ValueError(f"speculative_config['exit_layer'] must be in 1..{layers - 1} (the "
-                                 f"model has {layers} layers), got {sc['exit_layer']}")
-            return LayerSkipProposer(self.model, sc["exit_layer"], self.device)
-        default = {"draft_model": "tiny-draft", "eagle": "tiny-eagle"}[sc["method"]]
-        if "model" not in sc and self.model_path != resolve_model("tiny"):
-            raise ValueError(f"speculative_config for method {sc['method']!r} needs 'model' (a draft "
-                             f"sharing the target's tokenizer); {default!r} only fits the bundled 'tiny'")
-        path = resolve_model(sc.get("model", default))
-        if sc["method"] == "eagle":
-            from llmopt.spec.eagle import load_eagle_head
-
-            head = load_eagle_head(path, self.model_config, self.dtype, self.device)
-            return EagleProposer(head, self.model, self.dtype, self.device)
-        draft_cfg = ModelConfig.from_pretrained(path)
-        if draft_cfg.vocab_size != self.model_config.vocab_size:
-            raise ValueError(f"draft model {path} has vocab_size {draft_cfg.vocab_size}, the target "
-                             f"{self.model_config.vocab_size}; a draft must share the target's tokenizer")
-        return DraftModelProposer(load_model(path, self.dtype, self.device), self.dtype, self.device)
 
     # -- requests ------------------------------------------------------------------------------
     def validate_prompt(self, prompt, index: int | str = 0) -> tuple[str | None, list[int]]:

@@ -19,23 +19,22 @@ from __future__ import annotations
 
 import re
 
-import torch
 from torch import nn
 
 from llmopt.layers.mla import MLAttention
 from llmopt.layers.moe import MoE, SwiGLU
 from llmopt.layers.norm import RMSNorm
-from llmopt.layers.rotary import RotaryEmbedding
 from llmopt.model.config import ModelConfig
+from llmopt.model.llama import CausalLM, DecoderStack
 
 _EXPERT = re.compile(r"^(.*\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
 class DeepseekV3DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, attention_bias: bool = False):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = MLAttention(cfg, layer_idx, attention_bias)
+        self.self_attn = MLAttention(cfg, layer_idx, cfg.o_bias)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         moe = cfg.moe
         if moe.n_routed_experts and layer_idx >= moe.first_k_dense_replace:
@@ -48,37 +47,11 @@ class DeepseekV3DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class DeepseekV3Model(nn.Module):
+class DeepseekV3ForCausalLM(CausalLM):
+    """Llama's stack and head around DeepSeek's layer; RoPE turns only MLA's decoupled key part."""
+
     def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DeepseekV3DecoderLayer(cfg, i, cfg.o_bias)
-                                    for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(cfg.mla.qk_rope_head_dim, cfg.max_position_embeddings,
-                                          cfg.rope_theta, cfg.rope_scaling)
-
-    def forward(self, input_ids, positions, kv_cache):
-        x = self.embed_tokens(input_ids)
-        for layer in self.layers:
-            x = layer(positions, x, self.rotary_emb, kv_cache)
-        return self.norm(x)
-
-
-class DeepseekV3ForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.config = cfg
-        self.model = DeepseekV3Model(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache) -> torch.Tensor:
-        return self.model(input_ids, positions, kv_cache)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        super().__init__(cfg, DecoderStack(cfg, DeepseekV3DecoderLayer, cfg.mla.qk_rope_head_dim))
 
     def moe_layers(self) -> dict[int, MoE]:
         """Layer index -> its MoE block (the dense first layers have none)."""

@@ -70,13 +70,19 @@ class LlamaDecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+class DecoderStack(nn.Module):
+    """embed -> N decoder layers -> norm, with the RoPE table the layers share.
+
+    The layer class is what makes the architecture: Llama's (above) here, DeepSeek's (MLA
+    attention, MoE MLP) in deepseek.py; `rotary_dim` is the width RoPE turns (the whole head
+    here, only the decoupled RoPE part of MLA's key there)."""
+
+    def __init__(self, cfg: ModelConfig, layer_cls=LlamaDecoderLayer, rotary_dim: int | None = None):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(layer_cls(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings,
+        self.rotary_emb = RotaryEmbedding(rotary_dim or cfg.head_dim, cfg.max_position_embeddings,
                                           cfg.rope_theta, cfg.rope_scaling)
 
     def forward(self, input_ids, positions, kv_cache):
@@ -86,11 +92,13 @@ class LlamaModel(nn.Module):
         return self.norm(x)
 
 
-class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+class CausalLM(nn.Module):
+    """A decoder stack and the lm_head that scores its last hidden states over the vocabulary."""
+
+    def __init__(self, cfg: ModelConfig, model: DecoderStack):
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg)
+        self.model = model
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:  # one matrix reads tokens in and scores them out
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -101,6 +109,11 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
+
+
+class LlamaForCausalLM(CausalLM):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg, DecoderStack(cfg))
 
     # Checkpoint name -> (our fused parameter, which shard of it).
     stacked_params = [("qkv_proj", "q_proj", 0), ("qkv_proj", "k_proj", 1), ("qkv_proj", "v_proj", 2),

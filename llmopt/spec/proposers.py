@@ -188,3 +188,39 @@ class EagleProposer(_ModelProposer):
 
     def _fed_after(self, seq: Sequence, drafts: list[int]) -> list[int]:
         return list(seq.token_ids)  # draft positions saw predicted features: recompute them
+
+
+def make_proposer(sc: dict | None, model, model_config, model_path, dtype: torch.dtype, device: torch.device):
+    """The proposer `speculative_config` asks for (None: plain decoding), for the target
+    `model`; the draft models load here, checked against the target's vocabulary."""
+    from llmopt.model.config import ModelConfig
+    from llmopt.model.loader import load_model
+    from llmopt.model.registry import resolve_model
+
+    if sc is None:
+        return None
+    if sc["method"] == "ngram":
+        return NgramProposer(sc.get("prompt_lookup_min", 1), sc.get("prompt_lookup_max", 4))
+    if sc["method"] == "layer_skip":  # the target's own first layers draft (spec/layer_skip.py)
+        from llmopt.spec.layer_skip import LayerSkipProposer
+
+        layers = model_config.num_hidden_layers
+        if not sc["exit_layer"] < layers:
+            raise ValueError(f"speculative_config['exit_layer'] must be in 1..{layers - 1} (the "
+                             f"model has {layers} layers), got {sc['exit_layer']}")
+        return LayerSkipProposer(model, sc["exit_layer"], device)
+    default = {"draft_model": "tiny-draft", "eagle": "tiny-eagle"}[sc["method"]]
+    if "model" not in sc and model_path != resolve_model("tiny"):
+        raise ValueError(f"speculative_config for method {sc['method']!r} needs 'model' (a draft "
+                         f"sharing the target's tokenizer); {default!r} only fits the bundled 'tiny'")
+    path = resolve_model(sc.get("model", default))
+    if sc["method"] == "eagle":
+        from llmopt.spec.eagle import load_eagle_head
+
+        head = load_eagle_head(path, model_config, dtype, device)
+        return EagleProposer(head, model, dtype, device)
+    draft_cfg = ModelConfig.from_pretrained(path)
+    if draft_cfg.vocab_size != model_config.vocab_size:
+        raise ValueError(f"draft model {path} has vocab_size {draft_cfg.vocab_size}, the target "
+                         f"{model_config.vocab_size}; a draft must share the target's tokenizer")
+    return DraftModelProposer(load_model(path, dtype, device), dtype, device)
