@@ -34,6 +34,17 @@ KERNEL_ENV = {
     "HF_HUB_OFFLINE": "1",                 # lessons run offline
     "TRANSFORMERS_VERBOSITY": "error",
     "TOKENIZERS_PARALLELISM": "false",
+    # The same float32 arithmetic on every x86 machine. Left to itself, each library picks the
+    # widest vector unit the CPU has (AVX-512 on one machine, AVX2 on the next), and the last
+    # bits of a sum change with it: a perplexity's third decimal, one draw in 20,000 of a
+    # sampling experiment. Pinned to AVX2 (which every x86 CI machine has) and two threads (the
+    # CI machine's cores; a reduction split over more threads adds in another order), a fresh
+    # run prints what is stored. A learner's own kernel is not affected.
+    "ATEN_CPU_CAPABILITY": "avx2",   # PyTorch's own vectorized kernels
+    "MKL_CBWR": "AVX2,STRICT",       # MKL's matrix products: same code path, any thread count
+    "ONEDNN_MAX_CPU_ISA": "AVX2",    # oneDNN (bfloat16 and some float32 matmuls)
+    "OMP_NUM_THREADS": "2",
+    "MKL_NUM_THREADS": "2",
 }
 
 

@@ -138,8 +138,8 @@ def _die_with_parent(parent: int) -> None:
     parent-pid poll covers a driver that handed its end of the pipe to a forked child.
     """
 
-    def watch_pipe():
-        while sys.stdin.buffer.read1(65536):
+    def watch_pipe():  # the raw descriptor: a thread blocked in sys.stdin's buffered reader
+        while os.read(0, 65536):  # would hold its lock and abort the interpreter's shutdown
             pass
         os._exit(1)
 

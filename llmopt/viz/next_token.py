@@ -28,6 +28,19 @@ def next_token_logits(model, token_ids: list[int]) -> torch.Tensor:
     return model.compute_logits(hidden[-1:])[0]
 
 
+def exact_next_token_probs(model, token_ids: list[int]) -> torch.Tensor:
+    """The next-token distribution [vocab], float64, computed by a float64 copy of `model`.
+
+    For experiments that draw thousands of samples against it and print the counts: float32's
+    last bits differ between CPUs (vector widths, fused multiply-add), and a difference of 1e-6
+    in a probability is enough to move one draw of 20,000 across a boundary. In float64 the
+    counts are the same on every machine."""
+    import copy
+
+    exact = copy.deepcopy(model).double()
+    return next_token_logits(exact, token_ids).double().softmax(-1)
+
+
 def filtered_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
     """The distribution the sampler draws from; temperature 0 is greedy (all mass on the argmax)."""
     if temperature == 0:
