@@ -1,7 +1,7 @@
 """The serving engine against its baselines: the four workloads of `llmopt bench`, in one go.
 
 Runs `offline` (HF static batching vs one request at a time vs the engine), `kv-memory`,
-`prefix` and `chunked` (see llmopt/bench.py), prints each table, and writes them all to
+`prefix` and `chunked` (see llmopt/bench/), prints each table, and writes them all to
 benchmarks/results/engine.md, with the raw numbers (per-request tokens, TTFTs, per-step
 KV shares...) in benchmarks/results/engine.json for lessons to plot.
 

@@ -22,3 +22,5 @@ def triton_usable(device) -> bool:
 
 # W4A16 dequant-matmul for the GPTQ and AWQ int4 layouts (quant_matmul.py)
 from llmopt.kernels.quant_matmul import w4a16_matmul, w4a16_matmul_ref  # noqa: E402
+
+__all__ = ["HAS_TRITON", "triton_usable", "w4a16_matmul", "w4a16_matmul_ref"]

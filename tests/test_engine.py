@@ -6,7 +6,6 @@ and co-scheduled with others; runs with forced preemption and without.
 """
 
 import pytest
-import torch
 
 from llmopt import LLM, SamplingParams
 from llmopt.engine.generate import generate_with_cache

@@ -9,7 +9,6 @@ import math
 import os
 import shutil
 import subprocess
-from pathlib import Path
 
 import pytest
 

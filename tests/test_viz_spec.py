@@ -18,13 +18,13 @@ from transformers import AutoTokenizer  # noqa: E402
 from llmopt import LLM, SamplingParams, model_path  # noqa: E402
 from llmopt.bench import make_requests  # noqa: E402
 from llmopt.bench_spec import bench_spec, predicted_speedup  # noqa: E402
-from llmopt.spec.rejection_sampler import rejection_sample  # noqa: E402
 from llmopt.viz import setup_notebook  # noqa: E402
 from llmopt.viz.spec import (KINDS, SpecTokens, acceptance_by_position, acceptance_sweep,  # noqa: E402
-                             always_accept, chi_square, distribution_figure, distribution_rows,
-                             first_token_counts, position_figure, run_spec, speedup_figure,
-                             speedup_model_figure, speedup_model_rows, speedup_model_widget, speedup_rows,
-                             spec_tokens_text, spec_widget, step_rows, sweep_figure, token_sources, top_bins)
+                             position_figure, run_spec, speedup_figure, speedup_model_figure, speedup_model_rows,
+                             speedup_model_widget, speedup_rows, spec_tokens_text, spec_widget, step_rows,
+                             sweep_figure, token_sources)
+from llmopt.viz.spec_distribution import (always_accept, chi_square, distribution_figure,  # noqa: E402
+                                          distribution_rows, first_token_counts, top_bins)
 
 setup_notebook()
 NGRAM = {"method": "ngram", "prompt_lookup_max": 4}
