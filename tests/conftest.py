@@ -9,21 +9,6 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest  # noqa: E402
 
 
-def pytest_configure(config):
-    """nbval's kernels (when the browser suite does not run the lessons) get the environment the
-    stored outputs were made in (scripts/run_lessons.py: same arithmetic on every machine)."""
-    if getattr(config.option, "nbval", False):
-        import importlib.util
-        from pathlib import Path
-
-        path = Path(__file__).resolve().parents[1] / "scripts" / "run_lessons.py"
-        spec = importlib.util.spec_from_file_location("run_lessons", path)
-        run_lessons = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(run_lessons)
-        for key, value in run_lessons.KERNEL_ENV.items():
-            os.environ.setdefault(key, value)
-
-
 @pytest.fixture(scope="session")
 def checkpoint_dir(tmp_path_factory):
     """name -> folder of a random-weight HF checkpoint (see tests/checkpoints.py)."""
