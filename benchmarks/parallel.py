@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -98,13 +99,45 @@ def gpu_table() -> list[dict]:
     return rows
 
 
-def markdown(model: str, rows: list[dict], args) -> str:
+def reading(rows: list[dict]) -> list[str]:
+    """What the table says, in numbers taken from it."""
+    by = {(r["tp"], r["pp"], r["threads"]): r for r in rows}
+    whole = max((r for r in rows if r["tp"] * r["pp"] == 1), key=lambda r: r["threads"])
+    lines = []
+    tp = by.get((2, 1, whole["threads"]))
+    if tp:
+        share = tp["allreduce_ms_per_step"] / (tp["allreduce_ms_per_step"] + tp["compute_ms_per_step"])
+        lines.append(
+            f"- **TP 2** gives {tp['tokens_per_s'] / whole['tokens_per_s']:.2f}x the throughput of one process "
+            f"using the same {whole['threads']} threads: each rank computes half of every matmul, but every "
+            f"layer then waits for two all-reduces through gloo over loopback TCP, {share:.0%} of each step "
+            f"({tp['allreduce_ms_per_step']:.1f} ms of {tp['allreduce_ms_per_step'] + tp['compute_ms_per_step']:.1f}). "
+            "The bytes are exactly the formula's; on NVLink the same bytes take microseconds (table below).")
+    pp = by.get((1, 2, whole["threads"]))
+    if pp:
+        lines.append(
+            f"- **PP 2** gives {pp['tokens_per_s'] / whole['tokens_per_s']:.2f}x: no all-reduce, one send of the "
+            f"hidden states per micro-batch; with {pp['pp']} micro-batches in flight the stages idle "
+            f"{pp['bubble']:.0%} of the time (one in flight: {pp['bubble_one_in_flight']:.0%}), and the run takes "
+            f"{pp['seconds']:.1f} s against {pp['seconds_one_in_flight']:.1f} s one at a time.")
+    both = by.get((2, 2, whole["threads"]))
+    if both:
+        lines.append(
+            f"- **TP 2 x PP 2** puts 4 processes on {os.cpu_count()} cores ({both['tokens_per_s'] / whole['tokens_per_s']:.2f}x): "
+            "they take turns on the cores, which is why micro-batches in flight can make it slower here "
+            f"({both['seconds']:.1f} s against {both['seconds_one_in_flight']:.1f} s one at a time).")
+    lines.append("- Parallelism here is for equality and for the bytes: splitting a model that fits one "
+                 "device only pays when each rank has its own device and the link is fast.")
+    return lines
+
+
+def markdown(model: str, rows: list[dict], args, load: tuple[float, float]) -> str:
     base = rows[0]
     out = [f"# Tensor and pipeline parallelism: `{model}` on this machine", "",
            f"`python benchmarks/parallel.py --model {model} --requests {args.requests} --max-tokens "
-           f"{args.max_tokens} --configs {' '.join(args.configs)} --repeat {args.repeat}`: a 2-core machine "
-           "shared with other work (load average 20-35 during the run), each configuration timed once per "
-           "round after a warm-up, rounds interleaved: read the ratios as rough.", "",
+           f"{args.max_tokens} --configs {' '.join(args.configs)} --repeat {args.repeat}`: {os.cpu_count()} cores, "
+           f"load average {load[0]:.1f} when the run started and {load[1]:.1f} when it ended; each configuration "
+           "timed once per round after a warm-up, rounds interleaved, medians reported.", "",
            "| TP x PP | ranks | threads (all ranks) | tokens/s (each round) | vs first row | TTFT p50 ms | TPOT p50 ms | "
            "greedy = first row |",
            "|---|---|---|---|---|---|---|---|"]
@@ -116,7 +149,8 @@ def markdown(model: str, rows: list[dict], args) -> str:
     out += ["", "## What the ranks sent and where their time went", "",
             "| TP x PP | micro-batches | all-reduced B / token (rank 0) | formula (2 x layers + 1) x hidden x 4 B | "
             "B / token / layer | "
-            "all-reduce ms / step | compute ms / step | bubble (m = pp in flight) | bubble, one in flight |",
+            "all-reduce ms / step | compute ms / step | bubble (m = pp in flight) | bubble, one in flight "
+            "(wall s: one vs m in flight) |",
             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "micro_batches" not in r:
@@ -131,7 +165,7 @@ def markdown(model: str, rows: list[dict], args) -> str:
             "vocab-parallel embedding's one; B / token / layer spreads all of it over the stage's layers, so "
             "it sits a little above 2 x hidden x 4 bytes. All-reduce time includes waiting for the slower "
             "rank. Throughput and latency are medians over the rounds; the other columns come from the last "
-            "round.", "",
+            "round.", "", "How to read it:", "", *reading(rows), "",
             "## The same arithmetic on real GPUs", "",
             "Llama-3-70B (80 layers, hidden 8192, bfloat16) at TP 8, one decode step of 64 sequences: "
             "160 all-reduces of 64 x 8192 x 2 bytes, against each GPU reading its eighth of the weights "
@@ -163,6 +197,7 @@ def main(argv=None) -> int:
     prompts, params = workload(args.requests, args.max_tokens, vocab)
     engine = dict(num_kv_blocks=1024, max_num_seqs=32, max_num_batched_tokens=512, enable_prefix_caching=False)
     runs: dict[str, list[dict]] = {c: [] for c in args.configs}
+    load_before = os.getloadavg()[0]
     for round_ in range(args.repeat):
         for c in args.configs if round_ % 2 == 0 else args.configs[::-1]:
             shape, _, threads = c.partition(":")
@@ -177,13 +212,13 @@ def main(argv=None) -> int:
             row[key] = statistics.median(r[key] for r in runs[c])
         row["rounds_tokens_per_s"] = [r["tokens_per_s"] for r in runs[c]]
         rows.append(row)
-    text = markdown(args.model, rows, args)
+    text = markdown(args.model, rows, args, (load_before, os.getloadavg()[0]))
     if args.out:
         Path(args.out).write_text(text)
     else:
         print(text)
     if args.json:
-        Path(args.json).write_text(json.dumps({"model": args.model, "rows": [
+        Path(args.json).write_text(json.dumps({"model": args.model, "load_average": [load_before, os.getloadavg()[0]], "rows": [
             {k: v for k, v in r.items() if k != "token_ids"} for r in rows], "gpu": gpu_table()}, indent=1))
     return 0
 
