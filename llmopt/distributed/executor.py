@@ -38,6 +38,9 @@ from llmopt.engine.model_runner import ModelRunner
 def check_parallel_config(config, model_config, device: torch.device | None = None) -> None:
     """Everything that makes a TP x PP split impossible, before a process starts."""
     tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
+    if model_config.mla is not None:
+        raise ValueError("tensor_parallel_size / pipeline_parallel_size > 1 do not shard MLA (DeepSeek) models "
+                         "yet; use tensor_parallel_size=1 and pipeline_parallel_size=1")
     if device is not None and device.type == "cuda" and not launched_by_torchrun() \
             and tp * pp > torch.cuda.device_count():
         raise ValueError(f"tensor_parallel_size x pipeline_parallel_size = {tp * pp} ranks need as many GPUs "

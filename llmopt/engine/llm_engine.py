@@ -54,10 +54,6 @@ class LLMEngine:
             raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's "
                              f"max_position_embeddings ({limit}); allowed: 1..{limit}")
         self.max_model_len = config.max_model_len or limit
-        if self.model_config.mla is not None and config.tensor_parallel_size * config.pipeline_parallel_size > 1:
-            raise ValueError("tensor_parallel_size / pipeline_parallel_size > 1 do not shard MLA "
-                             "(DeepSeek) models yet; use tensor_parallel_size=1 and "
-                             "pipeline_parallel_size=1")
         self.device = config.torch_device()
         self.dtype = config.torch_dtype(self.model_config.torch_dtype)
         self.tokenizer = load_tokenizer(config.tokenizer or self.model_path)
