@@ -197,7 +197,7 @@ def panel_queries(dashboard: dict, panel: str, rows: list[dict]) -> str:
     lines = [f"{panel} (unit: {found[0]['fieldConfig']['defaults'].get('unit', '') or 'none'})", "PromQL:"]
     lines += [f"    {t['expr']}" for t in found[0]["targets"]]
     lines.append("on the two scrapes:")
-    lines += [f"    {r['series']:<34} {_show(r['value'], r['unit'])}" for r in rows if r["panel"] == panel]
+    lines += text_panels([r for r in rows if r["panel"] == panel]).splitlines()[1:]  # (less the title line)
     return "\n".join(lines)
 
 
