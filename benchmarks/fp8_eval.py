@@ -21,6 +21,7 @@ import argparse
 import gc
 import json
 import math
+import os
 import shlex
 import sys
 import time
@@ -101,7 +102,7 @@ def evaluate(name: str, kwargs: dict, args, prompts) -> dict:
         "kv_tokens_in_budget": int(BUDGET_GIB * 2**30 // eng.bytes_per_block) * eng.block_size,
         "engine_blocks": eng.num_blocks,
         "weight_bytes": weight_bytes(llm.model), "weights": _weights_kind(llm),
-        "seconds": time.perf_counter() - t0, "header": header(llm, "")}
+        "seconds": time.perf_counter() - t0, "header": header(llm, "", load=args.load_before)}
     del llm, eng, cache
     gc.collect()
     return row
@@ -157,7 +158,8 @@ def render(rows: list[dict], args, command: str, seconds: float) -> str:
     return "\n".join([
         f"# FP8: KV cache and weights on `{args.model}`",
         "",
-        f"{base['header'].removesuffix('; command: ``')}; command: `{command}` ({seconds / 60:.1f} min).",
+        f"{base['header'].removesuffix('; command: ``')}; command: `{command}` ({seconds / 60:.1f} min, "
+        f"1-minute load average {os.getloadavg()[0]:.2f} at the end).",
         "",
         f"Perplexity: {args.tokens:,} tokens of the held-out evaluation split (never the calibration part), "
         f"windows of {args.seq_len} tokens fed in chunks of {args.chunk_size}, so later chunks read their "
@@ -200,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         configs = [CONFIGS[0]] + [c for c in configs if c[0] != "full precision"]
     command = shlex.join(["python", "benchmarks/fp8_eval.py", *argv])
 
+    args.load_before = os.getloadavg()[0]  # before this run's own threads count in it
     t0 = time.perf_counter()
     probe = LLM(model=args.model, num_kv_blocks=8)
     prompts = greedy_prompts(probe, args.prompts, args.prompt_len)

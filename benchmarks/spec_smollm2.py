@@ -14,7 +14,7 @@ SmolLM2 ships no draft model and no EAGLE head, so two methods fit it on a 2-cor
     python benchmarks/spec_smollm2.py                # the committed table (a few minutes)
 
 Writes benchmarks/results/spec_smollm2.md and .json. Times are CPU seconds on one thread
-(`llmopt.bench_spec.bench_spec`), so other jobs on a shared machine disturb them less.
+(`llmopt.bench.spec.bench_spec`), so other jobs on a shared machine disturb them less.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import torch
 
 from llmopt import LLM, model_path
 from llmopt.bench import BenchRequest, table
-from llmopt.bench_spec import bench_spec, predicted_speedup, spec_table
+from llmopt.bench.spec import bench_spec, predicted_speedup, spec_table
 
 # functions from the Python standard library, given whole in the prompt (the eval split's kind of text)
 TASKS = [
@@ -114,7 +114,8 @@ def chat_requests(tokenizer, max_tokens: int) -> list[BenchRequest]:
 def logit_lens(requests: list[BenchRequest], llm, depths: list[int] | None = None) -> dict[int, float]:
     """For every depth l: how often the first l blocks (then the final norm and lm_head) pick the
     token the full model picks, over the prompts' positions and the full model's greedy answers."""
-    from llmopt.engine.kv_cache import NoKVCache
+    from llmopt.layers.attention import AttentionMetadata
+    from llmopt.worker.kv_cache import NoKVCache
 
     model = llm.llm_engine.model
     outs = llm.generate([r.prompt() for r in requests], [r.params() for r in requests], use_tqdm=False)
@@ -122,8 +123,8 @@ def logit_lens(requests: list[BenchRequest], llm, depths: list[int] | None = Non
     for r, o in zip(requests, outs):
         ids = torch.tensor(r.prompt_token_ids + list(o.outputs[0].token_ids))
         cache = NoKVCache()
-        cache.begin_step([len(ids)])
-        positions = torch.arange(len(ids))
+        cache.begin_step(AttentionMetadata.uncached([len(ids)]))
+        positions = cache.metadata.positions
         x = model.model.embed_tokens(ids)
         states = []
         for layer in model.model.layers:

@@ -9,6 +9,7 @@ from llmopt.llm import LLM
 from llmopt.model.registry import list_models, model_path
 from llmopt.outputs import CompletionOutput, RequestOutput
 from llmopt.sampling_params import SamplingParams
+from llmopt.structured.params import StructuredOutputsParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "model_path", "list_models"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "model_path", "list_models"]

@@ -13,58 +13,10 @@ import argparse
 import json
 import sys
 
+from llmopt.bench.flags import add_bench_flags
+from llmopt.engine_args import add_engine_flags, engine_kwargs
 from llmopt.quant.gguf_write import QTYPES as GGUF_QTYPES
 from llmopt.server.security import Security, add_security_flags
-
-
-def add_engine_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("engine (vLLM spelling)")
-    g.add_argument("--model", default="tiny",
-                   help="known name (tiny, smollm2, ...), local HF folder, .gguf file or hub id")
-    g.add_argument("--tokenizer", default=None)
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    g.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--num-kv-blocks", type=int, default=None)
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--max-num-seqs", type=int, default=64)
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
-    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"])
-    g.add_argument("--calculate-kv-scales", action="store_true",
-                   help="FP8 KV cache: measure k/v scales on calibration text at start")
-    g.add_argument("--quantization", default=None, choices=["fp8", "int8", "gguf"],
-                   help="gguf: keep a GGUF file's Q4_0 / Q4_1 / Q8_0 blocks for the CPU int kernels")
-    g.add_argument("--speculative-config", type=_json_dict, default=None,
-                   help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--tensor-parallel-size", type=int, default=1)
-    g.add_argument("--pipeline-parallel-size", type=int, default=1)
-    g.add_argument("--enforce-eager", action="store_true")
-
-
-ENGINE_FLAGS = ["model", "tokenizer", "dtype", "device", "block_size", "num_kv_blocks",
-                "gpu_memory_utilization", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
-                "enable_chunked_prefill", "enable_prefix_caching", "scheduling_policy",
-                "kv_cache_dtype", "calculate_kv_scales", "quantization", "speculative_config", "seed",
-                "tensor_parallel_size", "pipeline_parallel_size", "enforce_eager"]
-
-
-def engine_kwargs(args) -> dict:
-    return {k: getattr(args, k) for k in ENGINE_FLAGS}
-
-
-def _json_dict(text: str) -> dict:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"not valid JSON ({e})") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError("must be a JSON object")
-    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -94,42 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.set_defaults(model="smollm2")
 
     bench = sub.add_parser("bench", help="measure speed, side by side with the baseline")
-    bench.add_argument("--workload", default="kv-cache",
-                       choices=["kv-cache", "offline", "kv-memory", "prefix", "chunked", "spec"])
-    bench.add_argument("--lengths", type=int, nargs="+", default=[128, 1024], help="kv-cache")
-    bench.add_argument("--prompt", default="def ", help="kv-cache")
-    bench.add_argument("--num-requests", type=int, default=None,
-                       help="default 128 (offline, kv-memory), 64 (prefix), 8 decoding (chunked)")
-    bench.add_argument("--prompt-len", type=int, nargs=2, metavar=("MIN", "MAX"), default=None,
-                       help="prompt tokens; for prefix: the suffix after the shared prefix")
-    bench.add_argument("--output-len", type=int, nargs=2, metavar=("MIN", "MAX"), default=None,
-                       help="max_tokens per request (drawn uniformly; ignore_eos)")
-    bench.add_argument("--batch-size", type=int, nargs="+", default=[32, 64],
-                       help="offline: HF static batch size(s)")
-    bench.add_argument("--prefix-len", type=int, default=256, help="prefix: shared prompt tokens")
-    bench.add_argument("--num-long", type=int, default=4, help="chunked: long prompts arriving")
-    bench.add_argument("--long-len", type=int, default=1000, help="chunked: their length")
-    bench.add_argument("--chunk-budget", type=int, default=256,
-                       help="chunked: max_num_batched_tokens with chunked prefill on")
-    bench.add_argument("--spec-methods", nargs="+", default=["ngram", "draft_model", "eagle"],
-                       choices=["ngram", "draft_model", "eagle"], help="spec: methods to compare")
-    bench.add_argument("--spec-k", type=int, nargs="+", default=[2, 4, 6],
-                       help="spec: num_speculative_tokens values")
-    bench.add_argument("--spec-batch1", type=int, default=4,
-                       help="spec: requests run one at a time for the batch-1 latency")
-    bench.add_argument("--workload-seed", type=int, default=0)
-    bench.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    bench.add_argument("--profile-steps", type=int, default=0,
-                       help="offline: also profile this many engine decode steps (torch.profiler)")
-    bench.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True)
-    bench.add_argument("--url", default=None,
-                       help="load a running server instead (llmopt serve, vLLM): Poisson arrivals, streaming")
-    bench.add_argument("--request-rate", type=float, nargs="+", default=None,
-                       help="--url: requests/s, one run each (inf: all at once); default 1 2 4 8")
-    bench.add_argument("--max-retries", type=int, default=5,
-                       help="--url: retries of a request answered 503, each after its Retry-After")
-    bench.add_argument("--out", default=None, help="write the table (markdown) here too")
-    bench.add_argument("--json", default=None, help="write the raw numbers (JSON) here")
+    add_bench_flags(bench)
     add_engine_flags(bench)
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (llmopt.server)")
@@ -147,10 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_security_flags(serve)
     add_engine_flags(serve)
 
-    quant = sub.add_parser("quantize", help="quantize a model's weights (RTN, GPTQ, AWQ, FP8, GGUF) into a checkpoint")
+    quant = sub.add_parser("quantize", help="quantize a model's weights (RTN, GPTQ, AWQ, FP8, NF4, GGUF) into a checkpoint")
     quant.add_argument("--model", default="tiny", help="bundled name or HF folder (full precision)")
     quant.add_argument("--out", required=True, help="folder to write the quantized checkpoint to (gguf: a .gguf file)")
-    quant.add_argument("--method", default="gptq", choices=["rtn", "gptq", "awq", "fp8", "gguf"])
+    quant.add_argument("--method", default="gptq", choices=["rtn", "gptq", "awq", "fp8", "nf4", "gguf"])
     quant.add_argument("--qtype", default=None, choices=list(GGUF_QTYPES),
                        help="gguf: the file's type (default Q4_K_M)")
     quant.add_argument("--bits", type=int, default=None, help="default 4 (8 for fp8)")
@@ -167,6 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
     quant.add_argument("--true-sequential", action=argparse.BooleanOptionalAction, default=None, help="gptq")
     quant.add_argument("--zero-point", action=argparse.BooleanOptionalAction, default=None, help="awq")
     quant.add_argument("--version", default=None, help="awq: GEMM")
+    quant.add_argument("--rotation", default=None, choices=["hadamard"],
+                       help="fold Hadamard rotations into the weights first (QuaRot-style; unties a tied head)")
+    quant.add_argument("--double-quant", action=argparse.BooleanOptionalAction, default=None,
+                       help="nf4: quantize the absmax constants too (default on)")
     quant.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True)
     return parser
 
@@ -180,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
             return _chat(args)
         if args.command == "bench":
             if args.url:
-                from llmopt.server.load import bench_url
+                from llmopt.bench.load import bench_url
 
                 print(bench_url(args))
                 return 0
@@ -297,7 +218,8 @@ def _quantize(args) -> int:
             raise ValueError(f"--calibration-file {path} does not exist")
         calibration = path.read_text(encoding="utf-8")
     knobs = {k: getattr(args, k) for k in ("sym", "desc_act", "damp_percent", "static_groups",
-                                          "true_sequential", "zero_point", "version") if getattr(args, k) is not None}
+                                          "true_sequential", "zero_point", "version", "rotation", "double_quant")
+             if getattr(args, k) is not None}
     r = quantize(args.model, args.method, args.bits, args.group_size, args.out, calibration=calibration,
                  num_samples=args.num_samples, seq_len=args.seq_len, format=args.format,
                  progress=args.progress, **knobs)

@@ -17,6 +17,8 @@ DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bf
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 QUANTIZATION = (None, "fp8", "int8", "gguf")
 SPEC_METHODS = ("draft_model", "ngram", "eagle", "layer_skip")
+SCHEDULING_POLICIES = ("fcfs", "priority", "lpm")
+PREFIX_CACHES = ("hash", "radix")
 
 
 @dataclass
@@ -33,7 +35,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
-    scheduling_policy: str = "fcfs"
+    scheduling_policy: str = "fcfs"   # or "priority" (vLLM), "lpm" (longest cached prefix first, SGLang)
     kv_cache_dtype: str = "auto"
     calculate_kv_scales: bool = False  # FP8 KV: measure k/v scales on calibration text at load
     quantization: str | None = None
@@ -42,11 +44,12 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     enforce_eager: bool = False
+    prefix_cache: str = "hash"        # "hash": vLLM's chained block hashes; "radix": SGLang's radix tree
     # Not in vLLM's LLM signature but in its spirit: the CPU KV budget (vLLM reads the
     # VLLM_CPU_KVCACHE_SPACE environment variable), and an opt-in per-step trace.
     # GiB of RAM for the KV block pool on CPU; None: the LLMOPT_CPU_KVCACHE_SPACE or
     # VLLM_CPU_KVCACHE_SPACE environment variable, else sized from free memory (see
-    # llmopt.engine.memory.kv_blocks_from_budget)
+    # llmopt.engine.kv_budget.kv_blocks_from_budget)
     cpu_kv_cache_space: float | None = None
     enable_trace: bool = False
 
@@ -73,8 +76,19 @@ class EngineConfig:
                      "calculate_kv_scales"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
-        if self.scheduling_policy not in ("fcfs", "priority"):
-            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(map(repr, SCHEDULING_POLICIES))}, "
+                             f"got {self.scheduling_policy!r}")
+        if self.prefix_cache not in PREFIX_CACHES:
+            raise ValueError(f"prefix_cache must be 'hash' (vLLM's chained block hashes) or 'radix' "
+                             f"(SGLang's radix tree), got {self.prefix_cache!r}")
+        if not self.enable_prefix_caching:
+            for bad, what in ((self.prefix_cache == "radix", "prefix_cache='radix' chooses the prefix cache"),
+                              (self.scheduling_policy == "lpm", "scheduling_policy='lpm' orders requests "
+                               "by their cached prefix")):
+                if bad:
+                    raise ValueError(f"{what}, but enable_prefix_caching=False turns the cache off; "
+                                     "set enable_prefix_caching=True (or leave the default)")
         if self.device not in ("auto", "cpu", "cuda") and not str(self.device).startswith("cuda:"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         if str(self.device).startswith("cuda") and not torch.cuda.is_available():
@@ -103,7 +117,8 @@ class EngineConfig:
                                  f"got {method!r}")
             allowed = {"method", "num_speculative_tokens"} | (
                 {"prompt_lookup_min", "prompt_lookup_max"} if method == "ngram"
-                else {"exit_layer"} if method == "layer_skip" else {"model"})
+                else {"exit_layer"} if method == "layer_skip" else {"model", "tree"} if method == "eagle"
+                else {"model"})
             unknown = set(sc) - allowed
             if unknown:
                 raise ValueError(f"speculative_config: unknown keys {sorted(unknown)} for {method!r}; "
@@ -130,6 +145,8 @@ class EngineConfig:
         if self.tensor_parallel_size * self.pipeline_parallel_size > 1:
             # what the parallel workers do not split (yet): refused here rather than run wrong
             refused = [(self.speculative_config is not None, "speculative_config"),
+                       # the copy-on-write of partly matched blocks runs in this process's pool only
+                       (self.prefix_cache == "radix", "prefix_cache='radix'"),
                        (self.kv_cache_dtype != "auto", f"kv_cache_dtype={self.kv_cache_dtype!r}"),
                        (self.quantization is not None and self.tensor_parallel_size > 1,
                         f"quantization={self.quantization!r} (with tensor_parallel_size > 1)")]

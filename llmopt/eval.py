@@ -20,22 +20,7 @@ from numbers import Integral
 
 import torch
 
-from llmopt.model.registry import BUNDLED_DIR
-
-HELDOUT_PATH = BUNDLED_DIR / "heldout.txt"
-CALIBRATION_CHARS = 100_000  # ~27k tokens for calibration; the remaining ~300k chars evaluate
-
-
-def heldout_text(split: str = "eval") -> str:
-    """The bundled held-out text: `"calibration"` (its first part), `"eval"` (the rest,
-    disjoint from calibration) or `"all"`. The split falls on a line boundary."""
-    if split not in ("calibration", "eval", "all"):
-        raise ValueError(f"split must be 'calibration', 'eval' or 'all', got {split!r}")
-    text = HELDOUT_PATH.read_text(encoding="utf-8")
-    if split == "all":
-        return text
-    cut = text.index("\n", CALIBRATION_CHARS) + 1
-    return text[:cut] if split == "calibration" else text[cut:]
+from llmopt.model.registry import heldout_text
 
 
 def perplexity(llm, text: str | None = None, max_tokens: int | None = None, seq_len: int = 512,
@@ -119,8 +104,9 @@ def window_nll(llm, text: str | None = None, max_tokens: int | None = None, seq_
 @torch.inference_mode()
 def _score_windows(engine, windows: list[list[int]], chunk_size: int) -> list[tuple[float, int]]:
     """(summed NLL, count) of each window's tokens 1..end, run through the engine's model and cache."""
-    from llmopt.engine.sequence import Sequence
+    from llmopt.model.forward import run_model
     from llmopt.sampling_params import SamplingParams
+    from llmopt.sequence import Sequence
 
     bm, runner = engine.block_manager, engine.runner
     seqs = [Sequence(f"__perplexity_{i}", None, w[:-1], SamplingParams(max_tokens=1))
@@ -135,9 +121,8 @@ def _score_windows(engine, windows: list[list[int]], chunk_size: int) -> list[tu
         for start in range(0, max(len(s) for s in seqs), chunk_size):
             live = [i for i, s in enumerate(seqs) if len(s) > start]
             scheduled = [(seqs[i], min(chunk_size, len(seqs[i]) - start)) for i in live]
-            input_ids, positions, batch = runner.prepare(scheduled)
-            engine.kv_cache.begin_step(batch)
-            hidden = engine.model(input_ids, positions, engine.kv_cache)
+            input_ids, meta = runner.prepare(scheduled)
+            hidden = run_model(engine.model, engine.kv_cache, input_ids, meta)
             logits = engine.model.compute_logits(hidden)
             gold = torch.cat([targets[i][start:start + n] for i, (_, n) in zip(live, scheduled)])
             nll = torch.nn.functional.cross_entropy(logits, gold, reduction="none")

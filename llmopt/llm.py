@@ -83,21 +83,19 @@ class LLM:
                     isinstance(p, Integral) and not isinstance(p, bool) for p in priority):
                 raise ValueError(f"priority must be a list of {n} integers (one per prompt)")
             if self.config.scheduling_policy != "priority":
-                raise ValueError("priority was given but scheduling_policy is 'fcfs'; "
+                raise ValueError(f"priority was given but scheduling_policy is {self.config.scheduling_policy!r}; "
                                  "create the LLM with scheduling_policy='priority'")
         # Check everything before anything is admitted: a bad prompt rejects the whole call.
-        checked = []
-        for i, (prompt, sp) in enumerate(zip(prompts, params)):
-            text, ids = engine.validate_prompt(prompt, i)
-            engine.validate_request(ids, sp, i)
-            checked.append((text, ids, sp))
+        checked = [engine.process_inputs(prompt, sp, i) for i, (prompt, sp) in enumerate(zip(prompts, params))]
+        for i, request in enumerate(checked):  # a constraint that does not compile: before any work
+            engine.structured.compile(request.params, f"request {i}: structured_outputs")
         ids_in_order = []
         try:
-            for i, (text, ids, sp) in enumerate(checked):
+            for i, request in enumerate(checked):
                 rid = f"gen-{self._counter}"
                 self._counter += 1
                 ids_in_order.append(rid)
-                engine._add(rid, text, ids, sp, priority=priority[i] if priority else 0)
+                engine.add_request(rid, request, priority=priority[i] if priority else 0)
             return self._run(ids_in_order, use_tqdm)
         except BaseException:  # KeyboardInterrupt too: a stale request would run in every later call
             engine.abort_request(ids_in_order)  # those already finished are gone: nothing to do

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from numbers import Integral, Real
 
+from llmopt.structured.params import StructuredOutputsParams
+
 # Below this a temperature is greedy, as in vLLM (its _SAMPLING_EPS): such a distribution is
 # its argmax already, and float32 turns temperatures under ~1e-45 into a division by zero.
 GREEDY_TEMPERATURE = 1e-5
@@ -23,6 +25,9 @@ SEED_RANGE = (-2**63, 2**64)  # what torch.Generator.manual_seed takes
 class SamplingParams:
     """`temperature=0` is greedy (so is anything below 1e-5, as in vLLM). `top_k` of -1 (or 0)
     and `top_p=1` switch those filters off.
+
+    `structured_outputs`: a StructuredOutputsParams; the output then follows its JSON schema,
+    regex, choice list or grammar (llmopt/structured/).
 
     `min_tokens`: until that many tokens are generated, the request's stop tokens (EOS unless
     `ignore_eos`, and `stop_token_ids`) cannot be drawn, and stop strings are not checked.
@@ -42,6 +47,7 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputsParams | None = None  # JSON schema, regex, choice, grammar
     # filled in from `stop` so that the engine always sees a list
     _stop_list: list[str] = field(default_factory=list, repr=False, compare=False)
 
@@ -86,6 +92,9 @@ class SamplingParams:
         if not all(isinstance(t, Integral) and not isinstance(t, bool) and t >= 0 for t in ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
         self.stop_token_ids = ids
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise TypeError("structured_outputs must be a StructuredOutputsParams (json=, regex=, choice=, "
+                            f"grammar= or json_object=True), got {type(self.structured_outputs).__name__}")
 
     @property
     def greedy(self) -> bool:

@@ -15,6 +15,7 @@ import argparse
 import os
 import sys
 import time
+from datetime import datetime
 from pathlib import Path
 
 import nbformat
@@ -48,14 +49,23 @@ KERNEL_ENV = {
 }
 
 
-def run(path: Path, timeout: int) -> float:
+def run(path: Path, timeout: int, slowest: int = 5) -> float:
     nb = nbformat.read(path, as_version=4)
     nb.metadata["kernelspec"] = {"name": KERNEL, "display_name": "Python 3 (ipykernel)", "language": "python"}
-    client = NotebookClient(nb, kernel_name=KERNEL, timeout=timeout, record_timing=False,
+    client = NotebookClient(nb, kernel_name=KERNEL, timeout=timeout, record_timing=True,
                             store_widget_state=False, resources={"metadata": {"path": str(path.parent)}})
     start = time.perf_counter()
     client.execute()
     seconds = time.perf_counter() - start
+    # The slowest cells, printed (where a lesson's time goes), then dropped: timestamps in the
+    # file would change on every run.
+    took = []
+    for i, cell in enumerate(nb.cells):
+        stamps = cell.get("metadata", {}).pop("execution", None)
+        if stamps and "shell.execute_reply" in stamps and "iopub.execute_input" in stamps:
+            took.append((_seconds(stamps["shell.execute_reply"]) - _seconds(stamps["iopub.execute_input"]), i))
+    for s, i in sorted(took, reverse=True)[:slowest]:
+        print(f"  cell {i}: {s:.1f} s", flush=True)
     for cell in nb.cells:
         for out in cell.get("outputs", []):
             # A stored widget view points at a kernel-side model that no longer exists; keep only
@@ -64,6 +74,10 @@ def run(path: Path, timeout: int) -> float:
     nb.metadata.pop("widgets", None)
     nbformat.write(nb, path)
     return seconds
+
+
+def _seconds(stamp: str) -> float:
+    return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
 
 
 def check(path: Path) -> list[str]:

@@ -37,10 +37,11 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from train_tiny_models import corpus_files, encode_docs, lr_at, read  # noqa: E402
 
-from llmopt.engine.kv_cache import NoKVCache  # noqa: E402
+from llmopt.layers.attention import AttentionMetadata  # noqa: E402
 from llmopt.model.loader import load_model  # noqa: E402
 from llmopt.model.registry import model_path  # noqa: E402
 from llmopt.spec.eagle import EagleHead, head_config  # noqa: E402
+from llmopt.worker.kv_cache import NoKVCache  # noqa: E402
 
 KL_WEIGHT = 0.5
 
@@ -61,19 +62,19 @@ def token_stream(tokenizer, files: list[Path], max_tokens: int, seed: int) -> to
 def run_flat(module_forward, batch: int, seq_len: int):
     """Run a module over [batch, seq_len] as independent causal sequences (no cache)."""
     cache = NoKVCache()
-    cache.begin_step([seq_len] * batch)
-    positions = torch.arange(seq_len).repeat(batch)
+    cache.begin_step(AttentionMetadata.uncached([seq_len] * batch))
+    positions = cache.metadata.positions
     return module_forward(positions, cache)
 
 
 @torch.no_grad()
-def target_features(target, stream: torch.Tensor, seq_len: int, batch: int = 16) -> torch.Tensor:
+def target_features(target, stream: torch.Tensor, seq_len: int, batch: int = 16, bf16: bool = True) -> torch.Tensor:
     """[num_seqs, seq_len, hidden] bf16 features of the target over the stream."""
     seqs = stream[: len(stream) // seq_len * seq_len].view(-1, seq_len)
     out = []
     for i in range(0, len(seqs), batch):
         ids = seqs[i:i + batch]
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             h = run_flat(lambda pos, c: target(ids.flatten(), pos, c), len(ids), seq_len)
         out.append(h.view(len(ids), seq_len, -1).to(torch.bfloat16))
     return seqs, torch.cat(out)
@@ -90,14 +91,17 @@ def shift_right(f: torch.Tensor) -> torch.Tensor:
     return torch.cat([torch.zeros_like(f[:, :1]), f[:, :-1]], dim=1)
 
 
-def losses(head, target, ids, feats):
+def losses(head, target, ids, feats, logits=None):
+    """`logits`: features -> logits (default the target's lm_head; a head with a draft
+    vocabulary trains on that vocabulary's rows only)."""
+    logits = logits or target.compute_logits
     f = feats.float()
     with torch.no_grad():
-        p_target = target.compute_logits(f).log_softmax(-1)
+        p_target = logits(f).log_softmax(-1)
 
     def one(prev):
         pred = head_pass(head, target, ids, prev)
-        logq = target.compute_logits(pred).log_softmax(-1)
+        logq = logits(pred).log_softmax(-1)
         kl = F.kl_div(logq.flatten(0, 1), p_target.flatten(0, 1), log_target=True, reduction="batchmean")
         return F.smooth_l1_loss(pred, f) + KL_WEIGHT * kl, pred
 
@@ -123,21 +127,36 @@ def agreement(head, target, seqs, feats, depth: int) -> float:
     return hits / total
 
 
-def save_head(head: EagleHead, cfg: dict, out: Path, report: dict) -> None:
+def train_step(head, target, opt, seqs, feats, step: int, args, gen, logits=None, bf16: bool = True) -> torch.Tensor:
+    """One AdamW step on a random batch of sequences (warmup, then cosine decay); the loss."""
+    for g in opt.param_groups:
+        g["lr"] = lr_at(step, args.steps, args.lr, warmup=max(1, args.steps // 20))
+    pick = torch.randint(0, len(seqs), (args.batch,), generator=gen)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        loss = losses(head, target, seqs[pick], feats[pick], logits)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+    opt.step()
+    return loss
+
+
+def save_head(head: EagleHead, cfg: dict, out: Path, report: dict, dtype=torch.bfloat16) -> None:
     """Safetensors with checkpoint-style names (q_proj/k_proj/v_proj, gate_proj/up_proj)."""
     out.mkdir(parents=True, exist_ok=True)
     tensors = {}
     for name, p in head.named_parameters():
         fused = next(((f, part, s) for f, part, s in head.stacked_params if f".{f}." in name), None)
         if fused is None:
-            tensors[name] = p.detach().to(torch.bfloat16).contiguous()
+            tensors[name] = p.detach().to(dtype).contiguous()
             continue
         for f, part, shard in head.stacked_params:
             if f == fused[0]:
                 lo, hi = head.shard_rows(f, shard)
-                tensors[name.replace(f, part)] = p.detach()[lo:hi].to(torch.bfloat16).contiguous()
+                tensors[name.replace(f, part)] = p.detach()[lo:hi].to(dtype).contiguous()
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps({**cfg, "torch_dtype": "bfloat16"}, indent=2) + "\n")
+    (out / "config.json").write_text(json.dumps({**cfg, "torch_dtype": str(dtype).removeprefix("torch.")}, indent=2)
+                                     + "\n")
     (out / "training_report.json").write_text(json.dumps(report, indent=2) + "\n")
 
 
@@ -180,15 +199,7 @@ def main(argv=None) -> int:
     opt = torch.optim.AdamW(head.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     gen = torch.Generator().manual_seed(args.seed)
     for step in range(args.steps):
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step, args.steps, args.lr, warmup=max(1, args.steps // 20))
-        pick = torch.randint(0, len(seqs), (args.batch,), generator=gen)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = losses(head, target, seqs[pick], feats[pick])
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
-        opt.step()
+        loss = train_step(head, target, opt, seqs, feats, step, args, gen)
         if step % 50 == 0 or step == args.steps - 1:
             print(f"step {step:4d}  loss {loss.item():.4f}  ({time.time() - t0:.0f} s)", flush=True)
 

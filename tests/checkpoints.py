@@ -69,14 +69,14 @@ def assert_flat_logits_match(ours, ref, lengths: list[int], atol: float = 1e-4):
     """Random sequences of `lengths`, each run alone by transformers, all flattened into one
     varlen batch by llmopt (no KV cache): every position's logits must agree within `atol`.
     Returns (sequences, transformers' logits) for further checks."""
-    from llmopt.engine.kv_cache import NoKVCache
+    from llmopt.layers.attention import AttentionMetadata
+    from llmopt.model.forward import run_model
+    from llmopt.worker.kv_cache import NoKVCache
 
     g = torch.Generator().manual_seed(0)
     seqs = [torch.randint(3, VOCAB, (n,), generator=g) for n in lengths]
     expected = [ref(input_ids=s[None]).logits[0] for s in seqs]
-    cache = NoKVCache()
-    cache.begin_step(lengths)
-    flat = ours.compute_logits(ours(torch.cat(seqs), torch.cat([torch.arange(n) for n in lengths]), cache))
+    flat = ours.compute_logits(run_model(ours, NoKVCache(), torch.cat(seqs), AttentionMetadata.uncached(lengths)))
     for n, got, want in zip(lengths, flat.split(lengths), expected):
         err = (got - want).abs().max().item()
         assert err <= atol, f"sequence of {n} tokens: logits differ by {err:.2e} (allowed {atol:.0e})"

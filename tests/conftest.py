@@ -44,13 +44,32 @@ def one_thread():
 
 
 def pytest_collection_modifyitems(config, items):
-    """`@pytest.mark.cuda` tests need a CUDA device: skipped without one, so the marker alone
-    says it (benchmarks/gpu_check.py runs `pytest -m cuda` first on a GPU machine)."""
+    """The lessons in the browser go first: they are the longest file by far (every lesson, one
+    kernel at a time), so on two workers (`-n 2 --dist loadfile`) one worker starts them at once
+    while the other takes everything else. `@pytest.mark.cuda` tests need a CUDA device: skipped
+    without one, so the marker alone says it (benchmarks/gpu_check.py runs `pytest -m cuda` first)."""
     import torch
 
+    lessons = [i for i in items if i.nodeid.startswith("tests/browser/test_browser_lessons.py::")]
+    if lessons:
+        items[:] = lessons + [i for i in items if not i.nodeid.startswith("tests/browser/test_browser_lessons.py::")]
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device (marked cuda)")
     for item in items:
         if item.get_closest_marker("cuda") is not None:
             item.add_marker(skip)
+
+
+def pytest_collection_finish(session):
+    """The Binder and Colab installs (minutes of pip in fresh venvs, tests/test_binder_colab.py)
+    start once the tests are collected, when they are among them, and run beside the others.
+    Not on pytest-xdist's workers: each collects every test and does not know which one will run
+    that file (there the other worker keeps the CPU busy while this file's installs wait)."""
+    if session.config.option.collectonly or hasattr(session.config, "workerinput"):
+        return
+    for item in session.items:
+        module = getattr(item, "module", None)
+        if "installs" in getattr(item, "fixturenames", ()) and hasattr(module, "start_installs"):
+            module.start_installs()
+            return

@@ -14,6 +14,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -53,6 +54,22 @@ def test_the_repository_url_is_written_once():
     assert binder in readme, f"README's Binder link should be {binder}"
     binders = set(re.findall(r"https://mybinder\.org/v2/gh/([\w.-]+/[\w.-]+)", readme))
     assert binders == {owner_name}, f"README's Binder links point at {binders}"
+
+
+def test_lessons_find_committed_results_beside_the_package():
+    """A lesson runs from wherever its notebook is (a scratch copy in the browser tests, one file on
+    Colab), so a committed table is found by `committed_result` (beside the package), never by a
+    path relative to the notebook; and every table a lesson reads is committed."""
+    import json
+
+    from llmopt.viz import committed_result
+
+    for path in sorted((ROOT / "lessons").glob("*.ipynb")):
+        code = "\n".join("".join(c["source"]) for c in json.loads(path.read_text())["cells"]
+                         if c["cell_type"] == "code")
+        assert "../benchmarks" not in code, f"{path.name} reads a benchmark table relative to the notebook"
+        for name in re.findall(r'committed_result\("([^"]+)"\)', code):
+            assert committed_result(name) is not None, f"{path.name} reads benchmarks/results/{name}, not committed"
 
 
 def test_binder_python_meets_the_package():
@@ -98,6 +115,7 @@ def checkout_copy(dest: Path) -> Path:
 def install_binder(tmp: Path) -> tuple[str, str]:
     """repo2docker's steps: `pip install -r binder/requirements.txt`, then binder/postBuild run
     from the repository's root; return what the smoke run and `jupyter labextension list` say."""
+    tmp.mkdir(parents=True, exist_ok=True)
     python, env = fresh_venv(tmp / "venv")
     repo = checkout_copy(tmp / "repo")
     run([python, "-m", "pip", "install", "-r", "binder/requirements.txt"], cwd=repo, env=env)
@@ -111,6 +129,7 @@ def install_colab(tmp: Path) -> str:
     """The lessons' first cell, run as Colab runs it: in a Python that already has torch (Colab's
     does), with `google.colab` imported. Only the repository it installs from changes: this
     checkout's commit, by file URL, instead of the public repository."""
+    tmp.mkdir(parents=True, exist_ok=True)
     python, env = fresh_venv(tmp / "venv")
     run([python, "-m", "pip", "install", "torch==2.13.0"], env=env, cwd=tmp)  # Colab's preinstalled torch
     commit = run(["git", "rev-parse", "HEAD"], cwd=ROOT).strip()
@@ -121,13 +140,28 @@ def install_colab(tmp: Path) -> str:
     return run([python, "-c", SMOKE], cwd=tmp, env=env)
 
 
+_STARTED: dict = {}
+
+
+def start_installs() -> dict:
+    """Both installs, started once, each in its own thread. pip mostly waits on the index and the
+    disk, so tests/conftest.py starts them as soon as the tests are collected: they run beside
+    the rest of the suite instead of adding minutes to its end."""
+    if not _STARTED:
+        tmp = Path(tempfile.mkdtemp(prefix="llmopt-installs-"))
+        pool = ThreadPoolExecutor(max_workers=2)
+        _STARTED.update(tmp=tmp, pool=pool, binder=pool.submit(install_binder, tmp / "binder"),
+                        colab=pool.submit(install_colab, tmp / "colab"))
+    return _STARTED
+
+
 @pytest.fixture(scope="module")
-def installs(tmp_path_factory):
-    """Both installs at once: pip mostly waits on one core, so on two the pair takes the time of
-    the longer one. Each test below waits for its own."""
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        yield {"binder": pool.submit(install_binder, tmp_path_factory.mktemp("binder")),
-               "colab": pool.submit(install_colab, tmp_path_factory.mktemp("colab"))}
+def installs():
+    """The two installs' futures; each test below waits for its own."""
+    started = start_installs()
+    yield started
+    started["pool"].shutdown(wait=True)
+    shutil.rmtree(started["tmp"], ignore_errors=True)
 
 
 @pytest.mark.slow

@@ -39,7 +39,7 @@ def test_generate_rejects_bad_flags_with_a_message(args, match):
 
 
 def test_non_editable_install_ships_the_kernels_and_models(tmp_path):
-    """`pip install .` must carry llmopt.kernels (mapped from kernels/) and the bundled models,
+    """`pip install .` must carry llmopt.kernels and the bundled models,
     and must not install a top-level `kernels` module (transformers probes for that name)."""
     target = tmp_path / "site"
     r = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps",
@@ -47,10 +47,13 @@ def test_non_editable_install_ships_the_kernels_and_models(tmp_path):
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     assert not (target / "kernels").exists()
-    # every subpackage of the source tree must be in the install (pyproject lists them by hand)
+    from llmopt.kernels import cpu   # the C++ sources it builds on first use
+    shipped = {p.name for p in (target / "llmopt" / "kernels" / "cpu").iterdir()}
+    assert set(cpu.SOURCES + cpu.HEADERS) <= shipped, shipped
+    # every subpackage of the source tree must be in the install
     subpackages = sorted("llmopt." + p.parent.relative_to(ROOT / "llmopt").as_posix().replace("/", ".")
-                         for p in (ROOT / "llmopt").glob("*/__init__.py"))
-    code = (f"import llmopt, llmopt.kernels.rms_norm, llmopt.kernels.paged_attention, {', '.join(subpackages)};"
+                         for p in (ROOT / "llmopt").glob("**/__init__.py") if p.parent != ROOT / "llmopt")
+    code = (f"import llmopt, llmopt.kernels.paged_attention, {', '.join(subpackages)};"
             "assert 'site' in llmopt.__file__, llmopt.__file__;"
             "print(sorted(llmopt.list_models()));"
             "print((llmopt.model_path('tiny') / 'model.safetensors').stat().st_size)")
@@ -59,4 +62,4 @@ def test_non_editable_install_ships_the_kernels_and_models(tmp_path):
                        env=env, timeout=300)
     assert r.returncode == 0, r.stderr
     lines = r.stdout.strip().splitlines()
-    assert lines[0] == "['smollm2', 'tiny', 'tiny-draft', 'tiny-eagle']" and int(lines[1]) > 1_000_000
+    assert lines[0] == "['smollm2', 'smollm2-eagle', 'tiny', 'tiny-draft', 'tiny-eagle']" and int(lines[1]) > 1_000_000

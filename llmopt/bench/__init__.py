@@ -14,9 +14,15 @@ absolute numbers on a shared CPU drift from run to run, the ratios are what to r
 - `chunked`: long prompts arriving while others decode: the decoders' inter-token gaps
   and the long prompts' TTFT, chunked prefill on/off.
 - `spec`: plain decoding vs each speculative method (n-gram, draft model, EAGLE head) at
-  k in {2, 4, 6}, with Leviathan et al.'s prediction: in `llmopt.bench_spec`.
+  k in {2, 4, 6}, with Leviathan et al.'s prediction: in `llmopt.bench.spec`.
+- `roofline`: the machine's memory bandwidth, and decode step time against batch size with
+  the bytes each step reads and the share of the bandwidth it achieves (`llmopt.bench.roofline`).
 
-One module per workload (kv_cache, offline, kv_memory, prefix, chunked), `inputs` for the
+Against a running server (`llmopt serve`, alone or behind nginx): `load` (Poisson arrivals of
+streaming clients, TTFT / TPOT, saturation), `resilient_client` (timeouts, retries with backoff
+and jitter, a circuit breaker per replica) and `soak` (a long run with faults injected).
+
+One module per workload (kv_cache, offline, kv_slot_usage, prefix, chunked, spec, roofline), `inputs` for the
 requests they run and `common` for what they share; this module picks the workload from the
 command line and writes its table.
 """
@@ -31,11 +37,24 @@ from pathlib import Path
 import torch
 
 from llmopt.bench.chunked import bench_chunked, chunked_table
-from llmopt.bench.common import (Clock, common_prefix_share, cpu_name, header, hf_static_batches, load_hf_model,
-                                 one_at_a_time, percentile, progress_bar, run_engine, table, warm_up)
+from llmopt.bench.common import (
+    Clock,
+    common_prefix_share,
+    cpu_name,
+    header,
+    hf_static_batches,
+    load_average,
+    load_hf_model,
+    one_at_a_time,
+    percentile,
+    progress_bar,
+    run_engine,
+    table,
+    warm_up,
+)
 from llmopt.bench.inputs import BenchRequest, cut, heldout_text, heldout_tokens, make_requests
 from llmopt.bench.kv_cache import kv_cache_table, time_generation
-from llmopt.bench.kv_memory import bench_kv_memory, kv_memory_table
+from llmopt.bench.kv_slot_usage import bench_kv_memory, kv_memory_table
 from llmopt.bench.offline import OP_SOURCES, bench_offline, offline_table, profile_decode, profile_table
 from llmopt.bench.prefix import bench_prefix, prefix_table
 
@@ -62,9 +81,15 @@ DEFAULTS = {
 # -- entry points -------------------------------------------------------------------------------
 def command_line(args, prog: str = "llmopt bench") -> str:
     """The command that reproduces `args`: the workload, then every flag not at its default."""
-    from llmopt.cli import build_parser
+    import argparse
 
-    defaults = vars(build_parser().parse_args(["bench"]))
+    from llmopt.bench.flags import add_bench_flags
+    from llmopt.engine_args import add_engine_flags
+
+    parser = argparse.ArgumentParser()
+    add_bench_flags(parser)
+    add_engine_flags(parser)
+    defaults = vars(parser.parse_args([]))
     parts = prog.split() + ["--workload", args.workload]
     for key, value in vars(args).items():
         if key in ("command", "workload") or value == defaults.get(key):
@@ -89,14 +114,14 @@ def run_workload(args, command: str | None = None) -> tuple[str, dict]:
         # an oversubscribed thread pool waits for its slowest thread at every operation.
         torch.set_num_threads(args.threads)
     try:
-        return _run_workload(args, command)
+        return _run_workload(args, command, load_average())
     finally:
         torch.set_num_threads(threads)
 
 
-def _run_workload(args, command: str | None) -> tuple[str, dict]:
+def _run_workload(args, command: str | None, load: float) -> tuple[str, dict]:
     from llmopt import LLM
-    from llmopt.cli import engine_kwargs
+    from llmopt.engine_args import engine_kwargs
 
     command = command or command_line(args)
     w = args.workload
@@ -108,8 +133,18 @@ def _run_workload(args, command: str | None) -> tuple[str, dict]:
 
     if w == "kv-cache":
         llm = make_llm()
-        text = kv_cache_table(llm, args.lengths, args.prompt, progress, command)
+        text = kv_cache_table(llm, args.lengths, args.prompt, progress, command, load)
         return text, {"workload": w, "table": text}
+    if w == "roofline":
+        from llmopt.bench.roofline import bench_roofline, measure_bandwidth, roofline_table
+
+        bandwidth = measure_bandwidth(tuple(args.bandwidth_threads))
+        llm = make_llm(max_num_seqs=max(args.max_num_seqs, max(args.batches)))
+        raw = bench_roofline(llm, args.batches, args.context, args.decode_steps, heldout_tokens(llm.tokenizer),
+                             bandwidth, progress)
+        raw.update(model=llm.config.model, dtype=str(llm.dtype), threads=torch.get_num_threads(), cpu=cpu_name(),
+                   torch=torch.__version__, command=command, load_average=load)
+        return header(llm, command, load) + "\n\n" + roofline_table(raw), raw
     d = DEFAULTS[w]
     n = args.num_requests or d["num_requests"]
     prompt_len = tuple(args.prompt_len or d["prompt_len"])
@@ -142,7 +177,7 @@ def _run_workload(args, command: str | None) -> tuple[str, dict]:
         body = chunked_table(raw)
     elif w == "spec":
         requests = make_requests(stream, n, prompt_len, output_len, args.workload_seed)
-        from llmopt.bench_spec import bench_spec, spec_table
+        from llmopt.bench.spec import bench_spec, spec_table
 
         raw = bench_spec(make_llm, requests, args.spec_methods, args.spec_k,
                          min(args.spec_batch1, n), progress)
@@ -150,8 +185,8 @@ def _run_workload(args, command: str | None) -> tuple[str, dict]:
     else:
         raise ValueError(f"unknown workload {w!r}; choose from {', '.join(WORKLOADS)}")
     raw.update(model=llm.config.model, dtype=str(llm.dtype), threads=torch.get_num_threads(),
-               cpu=cpu_name(), torch=torch.__version__, command=command)
-    return header(llm, command) + "\n\n" + body, raw
+               cpu=cpu_name(), torch=torch.__version__, command=command, load_average=load)
+    return header(llm, command, load) + "\n\n" + body, raw
 
 
 def for_json(raw: dict) -> dict:

@@ -11,9 +11,9 @@ from pathlib import Path
 import torch
 
 from llmopt.bench.inputs import BenchRequest
-from llmopt.engine.generate import generate_with_cache
-from llmopt.engine.sequence import Sequence
+from llmopt.engine.reference_loops import generate_with_cache
 from llmopt.sampling_params import SamplingParams
+from llmopt.sequence import Sequence
 
 
 def percentile(xs: list[float], q: float) -> float:
@@ -36,14 +36,31 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def header(llm, command: str) -> str:
+QUIET_LOAD = 1.5  # a 1-minute load average above this means the numbers are not the machine's own
+
+
+def load_average() -> float:
+    """The 1-minute load average, with a warning when the machine is not quiet enough to measure."""
+    import warnings
+
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    if load > QUIET_LOAD:
+        warnings.warn(f"load average {load:.2f} > {QUIET_LOAD}: other jobs share the CPU, so these timings "
+                      "are not this machine's; rerun on a quiet machine before committing them", stacklevel=2)
+    return load
+
+
+def header(llm, command: str, load: float | None = None) -> str:
+    """The table's first line: model, dtype, threads, CPU, the load average when the run started."""
     import transformers
+
+    load = load_average() if load is None else load
 
     n = sum(p.numel() for p in llm.model.parameters())
     return (f"model `{llm.config.model}` ({n:,} params), {llm.dtype}, {llm.device}, "
             f"torch {torch.__version__}, transformers {transformers.__version__}, "
-            f"{torch.get_num_threads()} threads, {cpu_name()} ({os.cpu_count()} cores); "
-            f"command: `{command}`")
+            f"{torch.get_num_threads()} threads, {cpu_name()} ({os.cpu_count()} cores), "
+            f"load average {load:.2f} at the start; command: `{command}`")
 
 
 def table(head: list[str], rows: list[list]) -> str:

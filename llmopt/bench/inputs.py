@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+from llmopt.model.registry import heldout_text as _heldout
 from llmopt.sampling_params import SamplingParams
 
 
@@ -23,17 +24,8 @@ class BenchRequest:
 
 # -- inputs -------------------------------------------------------------------------------------
 def heldout_text() -> str:
-    """Python stdlib source held out from the bundled models' training (written by the
-    training script beside the bundled models)."""
-    from llmopt.model.registry import BUNDLED_DIR
-
-    places = [BUNDLED_DIR / "heldout.txt"]
-    if (BUNDLED_DIR / "tiny").exists():
-        places.append((BUNDLED_DIR / "tiny").resolve().parent / "heldout.txt")
-    for p in places:
-        if p.is_file():
-            return p.read_text(encoding="utf-8")
-    raise ValueError(f"no held-out text at {places[0]}; run scripts/train_tiny_models.py")
+    """The whole bundled held-out text (both splits): what workloads draw prompts from."""
+    return _heldout("all")
 
 
 def heldout_tokens(tokenizer) -> list[int]:

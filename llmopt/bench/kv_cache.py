@@ -5,9 +5,9 @@ from __future__ import annotations
 import time
 
 from llmopt.bench.common import header, progress_bar, table
-from llmopt.engine.generate import generate_naive, generate_with_cache
-from llmopt.engine.sequence import Sequence
+from llmopt.engine.reference_loops import generate_naive, generate_with_cache
 from llmopt.sampling_params import SamplingParams
+from llmopt.sequence import Sequence
 
 
 def time_generation(llm, loop, prompt_ids: list[int], n_tokens: int) -> dict:
@@ -25,7 +25,7 @@ def time_generation(llm, loop, prompt_ids: list[int], n_tokens: int) -> dict:
 
 
 def kv_cache_table(llm, lengths: list[int], prompt: str = "def ", progress: bool = True,
-                   command: str | None = None) -> str:
+                   command: str | None = None, load: float | None = None) -> str:
     prompt_ids = llm.tokenizer(prompt)["input_ids"]
     rows = []
     items = [(n, name, loop) for n in lengths
@@ -47,4 +47,4 @@ def kv_cache_table(llm, lengths: list[int], prompt: str = "def ", progress: bool
     head = ["tokens generated", "naive ms/token", "cached ms/token", "speedup",
             "naive ms/token (last 10%)", "cached ms/token (last 10%)", "speedup (last 10%)", "same tokens"]
     command = command or f"llmopt bench --workload kv-cache --lengths {' '.join(map(str, lengths))}"
-    return header(llm, command) + "\n\n" + table(head, rows)
+    return header(llm, command, load) + "\n\n" + table(head, rows)

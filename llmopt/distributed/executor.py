@@ -23,16 +23,17 @@ import sys
 import threading
 import weakref
 from collections import deque
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 
-from llmopt.distributed.parallel_state import (ParallelGrid, destroy_groups, free_port, init_groups,
-                                               launched_by_torchrun)
+from llmopt.distributed.lifetime import dead_ranks, release_distributed, take_over_distributed
+from llmopt.distributed.parallel_state import ParallelGrid, destroy_groups, free_port, init_groups, launched_by_torchrun
 from llmopt.distributed.pipeline import bubble_fraction, stage_layers
 from llmopt.distributed.sharding import attention_heads, kv_heads_per_rank
 from llmopt.distributed.worker import Worker, serve
-from llmopt.engine.model_runner import ModelRunner
+from llmopt.worker.model_runner import ModelRunner
 
 
 def check_parallel_config(config, model_config, device: torch.device | None = None) -> None:
@@ -66,8 +67,10 @@ class MultiprocExecutor:
         self.grid = ParallelGrid(tp, pp, 0)
         self.procs: list[subprocess.Popen] = []
         self.dead: str | None = None
+        self.superseded = False  # closed by a newer parallel LLM of this process (lifetime.py)
         self._threads_before = None
-        self.runner: ParallelModelRunner | None = None
+        take_over_distributed(self, f"a new one (tensor_parallel_size={tp}, pipeline_parallel_size={pp})")
+        self._runner = None  # a weak reference: the runner holds the executor, no cycle back
         cfg = model_config
         # what one rank's KV block costs: its stage's layers (the largest stage) and KV heads
         self.kv_layers = max(b - a for a, b in (stage_layers(cfg.num_hidden_layers, pp, s) for s in range(pp)))
@@ -101,7 +104,6 @@ class MultiprocExecutor:
         self.model = self.worker.model
         self.micro_batches = 0           # submitted so far
         self.tokens_forwarded = 0        # new tokens through the model so far
-        self.in_flight: deque = deque()  # micro-batches submitted, logits not yet back
         self.max_in_flight = pp          # 1 shows the bubble a pipeline has without micro-batching
 
     # -- set-up ----------------------------------------------------------------------------
@@ -111,8 +113,9 @@ class MultiprocExecutor:
 
     def make_runner(self, model, kv_cache, block_manager, device, eos_token_ids):
         """The engine's model runner, with the forward done by every rank (`model`: the driver's shard)."""
-        self.runner = ParallelModelRunner(self, kv_cache, block_manager, device, eos_token_ids)
-        return self.runner
+        runner = ParallelModelRunner(self, kv_cache, block_manager, device, eos_token_ids)
+        self._runner = weakref.ref(runner)
+        return runner
 
     # -- one micro-batch -----------------------------------------------------------------------
     def submit(self, meta: dict):
@@ -165,16 +168,25 @@ class MultiprocExecutor:
         return bubble_fraction(stages)
 
     # -- shutting down -------------------------------------------------------------------------
+    @property
+    def closed(self) -> bool:  # (no stopper yet: it failed before starting anything)
+        return getattr(self, "_stopper", None) is None or self._stopper.closed
+
     def _check_alive(self) -> None:
         if self.dead:
             raise RuntimeError(self.dead)
         if self._stopper.closed:
-            raise RuntimeError("this LLM was closed; create a new one")
+            raise RuntimeError("this LLM was closed by a newer parallel LLM built in this process (one holds "
+                               "torch.distributed at a time); use that one, or create a new one"
+                               if self.superseded else "this LLM was closed; create a new one")
+        if any(p.poll() is not None for p in self.procs):  # died between two steps: say so before any collective
+            raise self._fail(None)
 
-    def _fail(self, error: Exception) -> RuntimeError:
-        gone = [f"rank {i + 1} (exit code {p.poll()})" for i, p in enumerate(self.procs) if p.poll() is not None]
-        self.dead = (f"the parallel workers stopped ({', '.join(gone) or error}); their traceback is on "
-                     "stderr. This LLM cannot run further steps: create a new one")
+    def _fail(self, error: Exception | None) -> RuntimeError:
+        gone = dead_ranks(self.procs, wait=2.0 if error is not None else 0.0)
+        self.dead = (f"the parallel workers stopped: {', '.join(gone) or error} (a worker that raised printed "
+                     "its traceback on stderr). This LLM cannot run further steps; its other workers are "
+                     "stopped, so a new LLM can be built in this process")
         self.close(failed=True)
         return RuntimeError(self.dead)
 
@@ -184,13 +196,15 @@ class MultiprocExecutor:
         self._finalizer.detach()
         if not failed and not self._stopper.closed:
             try:  # logits still on their way back are received first: the pipeline ends empty
-                while self.runner is not None and self.runner.pending:
-                    rows, index, logits = self.runner.pending.popleft()
+                runner = self._runner() if self._runner is not None else None
+                while runner is not None and runner.pending:
+                    rows, index, logits = runner.pending.popleft()
                     if rows and logits is None:
                         self.recv_logits(len(index), self.model.config.vocab_size)
             except Exception:
                 failed = True
         self._stopper(graceful=not failed)
+        release_distributed(self)
         if self._threads_before:
             torch.set_num_threads(self._threads_before)
             self._threads_before = None
@@ -269,33 +283,48 @@ _deferring: list[bool] = []
 
 class ParallelModelRunner(ModelRunner):
     """The model runner with the forward done by the ranks: the driver sends the step's
-    token ids and block tables, computes its shard, and samples from the gathered logits."""
+    token ids and block tables, computes its shard, and samples from the gathered logits.
+    With a pipeline, up to `max_in_flight` steps are submitted before the oldest is collected;
+    the record of what is in flight is kept here, in step with the workers."""
 
     def __init__(self, executor: MultiprocExecutor, kv_cache, block_manager, device, eos_token_ids):
         super().__init__(executor.model, kv_cache, block_manager, device, eos_token_ids)
         self.executor = executor
-        self.pending: deque = deque()
+        self.pending: deque = deque()  # (step, sampling rows, logits index, logits or None)
 
-    def submit(self, scheduled) -> None:
-        ids, starts, lens, tables = self.step_inputs(scheduled)
-        tables = [list(t) for t in tables]  # as they are now: the block manager goes on changing them
-        rows, index = self.sampling_rows(scheduled)
-        meta = {"ids": ids, "starts": starts, "lens": lens, "tables": tables, "index": index}
-        logits = self.executor.submit(meta)
-        self.pending.append((rows, index, logits))
+    @property
+    def max_in_flight(self) -> int:
+        return self.executor.max_in_flight
 
-    def collect(self) -> dict:
-        rows, index, logits = self.pending.popleft()
-        if not rows:
-            return {}
-        if logits is None:
-            logits = self.executor.recv_logits(len(index), self.executor.model.config.vocab_size)
-        return self.sample(rows, logits)
+    @property
+    def num_in_flight(self) -> int:
+        return len(self.pending)
+
+    def submit(self, sched) -> None:
+        """Start the step `sched` (a SchedulerOutput) down the pipeline."""
+        with deferred_interrupt():  # what is in flight must stay in step with the workers
+            ids, starts, lens, tables = self.step_inputs(sched.scheduled)
+            tables = [list(t) for t in tables]  # as they are now: the block manager goes on changing them
+            rows, index = self.sampling_rows(sched.scheduled)
+            meta = {"ids": ids, "starts": starts, "lens": lens, "tables": tables, "index": index}
+            logits = self.executor.submit(meta)
+            self.pending.append((sched, rows, index, logits))
+
+    def collect(self):
+        """The oldest step in flight and its sampled tokens: (sched, request_id -> tokens)."""
+        with deferred_interrupt():
+            sched, rows, index, logits = self.pending.popleft()
+            if not rows:
+                return sched, {}
+            if logits is None:
+                logits = self.executor.recv_logits(len(index), self.executor.model.config.vocab_size)
+            return sched, self.sample(rows, logits)
 
     def execute(self, scheduled):
+        """One step, submitted and collected (the engine's path when one step is in flight)."""
         with deferred_interrupt():
-            self.submit(scheduled)
-            return self.collect()
+            self.submit(SimpleNamespace(scheduled=scheduled))
+            return self.collect()[1]
 
 
 def serve_torchrun_rank(config, model_path, model_config, dtype, device) -> None:
@@ -311,5 +340,10 @@ def serve_torchrun_rank(config, model_path, model_config, dtype, device) -> None
     serve(config, grid, "env://", model_path, dtype, device)
 
 
-__all__ = ["MultiprocExecutor", "ParallelModelRunner", "check_parallel_config", "serve_torchrun_rank",
-           "bubble_fraction"]
+__all__ = [
+    "MultiprocExecutor",
+    "ParallelModelRunner",
+    "bubble_fraction",
+    "check_parallel_config",
+    "serve_torchrun_rank",
+]

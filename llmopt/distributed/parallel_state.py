@@ -83,8 +83,9 @@ def init_groups(grid: ParallelGrid, device: torch.device, init_method: str):
     """Join the world and build one TP group per stage (every rank creates every group, in
     the same order: torch.distributed requires it). Returns this rank's TP group."""
     if dist.is_initialized():
-        raise RuntimeError("torch.distributed is already initialized in this process: one parallel "
-                           "LLM per process (close the previous one with llm.close())")
+        raise RuntimeError("torch.distributed is already initialized in this process, and not by an llmopt "
+                           "LLM (a previous parallel LLM is closed for you): the workers need the default "
+                           "group; call torch.distributed.destroy_process_group() first")
     dist.init_process_group(backend_for(device), init_method=init_method, rank=grid.rank,
                             world_size=grid.world_size, timeout=TIMEOUT)
     mine = None

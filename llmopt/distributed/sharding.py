@@ -184,9 +184,3 @@ def shard_llama(model, tp: int, rank: int, group) -> None:
 def kv_heads_per_rank(num_heads: int, num_kv_heads: int, tp: int) -> int:
     """The most KV heads any TP rank holds: what one rank's KV block costs."""
     return max(k1 - k0 for _, (k0, k1) in (attention_heads(num_heads, num_kv_heads, tp, r) for r in range(tp)))
-
-
-def bytes_all_reduced_per_token(cfg, num_layers: int, dtype_bytes: int) -> int:
-    """What one token costs in all-reduce payload on a stage of `num_layers` layers: two
-    hidden-sized vectors per layer (after o and after down), plus one for the embedding."""
-    return (2 * num_layers + 1) * cfg.hidden_size * dtype_bytes

@@ -27,9 +27,8 @@ import torch.distributed as dist
 from llmopt.distributed.parallel_state import ParallelGrid, destroy_groups, init_groups
 from llmopt.distributed.pipeline import StageLink, StageTimeline, keep_stage, stage_forward, stage_layers
 from llmopt.distributed.sharding import RowParallelLinear, VocabParallelEmbedding, attention_heads, shard_llama
-from llmopt.engine.kv_cache import PagedKVCache
-from llmopt.engine.model_runner import build_paged_batch
-
+from llmopt.layers.attention import AttentionMetadata
+from llmopt.worker.kv_cache import PagedKVCache
 
 ALL_REDUCING = (RowParallelLinear, VocabParallelEmbedding)  # what counts its bytes and seconds
 
@@ -68,11 +67,12 @@ class Worker:
     def run_step(self, meta: dict, hidden: torch.Tensor | None = None):
         """This rank's part of one step. Returns the logits on the last stage (else None)."""
         g, start = self.grid, time.time()
-        positions, batch = build_paged_batch(meta["tables"], meta["starts"], meta["lens"],
-                                             self.config.block_size, self.device)
+        attn = AttentionMetadata.paged(meta["tables"], meta["starts"], meta["lens"], self.config.block_size,
+                                       self.device)
         ids = torch.tensor(meta["ids"], device=self.device) if g.is_first_stage else None
-        self.kv_cache.begin_step(batch)
-        out = stage_forward(self.model, ids, positions, hidden, self.kv_cache, g.is_first_stage, g.is_last_stage)
+        self.kv_cache.begin_step(attn)
+        out = stage_forward(self.model, ids, attn.positions, hidden, self.kv_cache, g.is_first_stage,
+                            g.is_last_stage)
         logits = None
         if not g.is_last_stage:
             self.link.send(g.next_peer, meta, out)

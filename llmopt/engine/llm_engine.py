@@ -6,40 +6,41 @@
             print(out.request_id, out.outputs[0].text)
 
 `step()` = scheduler (who runs, how many tokens, who is preempted) -> model runner (one
-flat forward, sampling) -> bookkeeping (append tokens, stop checks, free finished
-requests' blocks, cache newly full blocks). Requests can be added or aborted between
-any two steps: that is continuous batching, and the server drives it the same way.
+flat forward, sampling: the one seam between the engine and whatever runs the model, one
+process or many) -> bookkeeping (append tokens, stop checks, free finished requests'
+blocks, cache newly full blocks). Requests can be added or aborted between any two steps:
+that is continuous batching, and the server drives it the same way.
 A step that raises fails only the requests that fail on their own (finish_reason "error");
 the engine and every other request go on.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
 from numbers import Integral
-from pathlib import Path
 
 import torch
 
 from llmopt.config import EngineConfig
-from llmopt.engine import kv_pools
+from llmopt.engine import stats
 from llmopt.engine.block_manager import BlockManager
-from llmopt.engine.kv_cache import kv_cache_torch_dtype
-from llmopt.engine.memory import check_kv_pool_fits, kv_blocks_from_budget
-from llmopt.engine.model_runner import ModelRunner
-from llmopt.engine.request_checks import check_prompt, check_request
-from llmopt.engine.scheduler import Scheduler
-from llmopt.engine.sequence import Sequence
-from llmopt.layers.moe import moe_step_stats
+from llmopt.engine.kv_budget import HostMemoryRelease, check_kv_pool_fits, kv_blocks_from_budget
+from llmopt.engine.radix_cache import RadixCache
+from llmopt.engine.request_checks import ProcessedPrompt, check_prompt, check_request
+from llmopt.engine.scheduler import Scheduler, SchedulerOutput
 from llmopt.model.config import ModelConfig
-from llmopt.model.loader import load_model, load_tokenizer
+from llmopt.model.loader import generation_eos_ids, load_model, load_tokenizer
 from llmopt.model.registry import resolve_model
 from llmopt.outputs import RequestOutput
 from llmopt.sampling_params import SamplingParams
+from llmopt.sequence import Sequence
 from llmopt.spec.proposers import make_proposer
+from llmopt.structured.manager import StructuredOutputManager
+from llmopt.worker import kv_pools
+from llmopt.worker.kv_cache import kv_cache_torch_dtype
+from llmopt.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +58,7 @@ class LLMEngine:
         self.device = config.torch_device()
         self.dtype = config.torch_dtype(self.model_config.torch_dtype)
         self.tokenizer = load_tokenizer(config.tokenizer or self.model_path)
-        self.eos_token_ids = set(self.model_config.eos_token_ids) | _generation_eos(self.model_path)
+        self.eos_token_ids = set(self.model_config.eos_token_ids) | generation_eos_ids(self.model_path)
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         torch.manual_seed(config.seed)
@@ -84,14 +85,22 @@ class LLMEngine:
         except BaseException:
             self.close()
             raise
-        self.block_manager = BlockManager(self.num_blocks, self.block_size, config.enable_prefix_caching)
+        prefix_cache = RadixCache if config.prefix_cache == "radix" else BlockManager
+        self.block_manager = prefix_cache(self.num_blocks, self.block_size, config.enable_prefix_caching)
         self.kv_cache = kv_pools.build_kv_pool(self)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens, config.enable_chunked_prefill,
-                                   config.scheduling_policy)
+                                   config.scheduling_policy, max_in_flight=config.pipeline_parallel_size)
         self.runner = (ModelRunner if self.executor is None else self.executor.make_runner)(
             self.model, self.kv_cache, self.block_manager, self.device, self.eos_token_ids)
+        # vLLM's enforce_eager: False runs decode steps compiled (one C++ call on the CPU) where it can
+        why = ("enforce_eager=True" if config.enforce_eager else "tensor/pipeline parallel ranks" if self.executor
+               else self.runner.enable_compiled_decode())
+        self.decode_path = "compiled" if why is None else f"eager ({why})"
         self.requests: dict[str, Sequence] = {}
+        # structured outputs: grammars compile in worker threads; bitmask, matchers, jump-forward
+        self.structured = StructuredOutputManager(self.tokenizer, cfg.vocab_size, self.eos_token_ids)
+        self.runner.structured = self.structured
         self.trace: list[dict] | None = [] if config.enable_trace else None
         self.step_count = 0
         self.stats = {"num_requests": 0, "num_finished": 0, "num_aborted": 0, "num_failed": 0,
@@ -102,6 +111,8 @@ class LLMEngine:
             self.proposer.bind(self.block_manager, self.num_blocks)
         self.spec_stats = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0,
                            "accepted_per_position": [0] * self.num_spec_tokens}
+        # last, so dropped last: `del llm` frees the engine (no cycle), then this returns the pages to the OS
+        self._memory_release = HostMemoryRelease()
 
     def _start_workers(self):
         """Tensor/pipeline parallel: start the worker ranks (or, under torchrun on a rank other
@@ -118,7 +129,9 @@ class LLMEngine:
         return self.executor.model
 
     def close(self) -> None:
-        """Stop the worker ranks, if any (a one-process engine holds nothing to release)."""
+        """Stop the worker ranks, if any, and the grammar compiler's threads."""
+        if getattr(self, "structured", None) is not None:
+            self.structured.close()
         if self.executor is not None:
             self.executor.close()
 
@@ -131,28 +144,38 @@ class LLMEngine:
         """ValueError for a request this engine could never run (see request_checks)."""
         check_request(self, ids, params, index)
 
+    def process_inputs(self, prompt, params: SamplingParams | None = None, index: int | str = 0) -> ProcessedPrompt:
+        """Check a prompt and its sampling parameters (ValueError naming what is wrong) and
+        tokenize it: what `add_request` admits without checking again. `LLM.generate` checks a
+        whole batch this way before admitting any of it."""
+        params = params or SamplingParams()
+        text, ids = self.validate_prompt(prompt, index)
+        self.validate_request(ids, params, index)
+        return ProcessedPrompt(text, ids, params)
+
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
                     arrival_time: float | None = None, priority: int = 0) -> Sequence:
-        params = params or SamplingParams()
+        """Admit a request: `prompt` is text, {'prompt_token_ids': [...]}, or what
+        `process_inputs` returned (then `params` is already part of it)."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if not isinstance(priority, Integral) or isinstance(priority, bool):
             raise ValueError(f"priority must be an integer, got {priority!r}")
-        text, ids = self.validate_prompt(prompt, request_id)
-        self.validate_request(ids, params, request_id)
-        return self._add(request_id, text, ids, params, arrival_time, priority)
-
-    def _add(self, request_id, text, ids, params, arrival_time=None, priority=0) -> Sequence:
+        checked = prompt if isinstance(prompt, ProcessedPrompt) else self.process_inputs(prompt, params, request_id)
+        params = checked.params
         gen = None
         if params.seed is not None:
             gen = torch.Generator(device=self.device).manual_seed(params.seed)
         elif not params.greedy:
             gen = self.generator
-        seq = Sequence(request_id, text, ids, params, gen, arrival_time, int(priority))
+        seq = Sequence(request_id, checked.text, checked.token_ids, params, gen, arrival_time, int(priority))
         self.requests[request_id] = seq
-        self.scheduler.add(seq)
+        if params.structured_outputs is not None:
+            self.structured.add(seq)  # joins the scheduler once its grammar has compiled
+        else:
+            self.scheduler.add(seq)
         self.stats["num_requests"] += 1
-        self.stats["prompt_tokens"] += len(ids)
+        self.stats["prompt_tokens"] += len(checked.token_ids)
         return seq
 
     def abort_request(self, request_id: str | list[str]) -> None:
@@ -160,8 +183,8 @@ class LLMEngine:
             seq = self.requests.get(rid)
             if seq is None or seq.is_finished:
                 continue
-            self._drop(seq)
-            seq._finish("abort", None)
+            self.remove_request(seq)
+            seq.finish("abort", None)
             self.stats["num_aborted"] += 1
 
     def fail_request(self, request_id: str, error: Exception) -> RequestOutput | None:
@@ -171,35 +194,58 @@ class LLMEngine:
         if seq is None:
             return None
         logger.warning("request %s failed in the engine", request_id, exc_info=error)
-        self._drop(seq)
+        self.remove_request(seq)
         seq.error = error
-        seq._finish("error", None)
+        seq.finish("error", None)
         seq.finalize_text(self.tokenizer)
         self.stats["num_failed"] += 1
         return seq.to_output()
 
-    def _drop(self, seq: Sequence) -> None:
+    def remove_request(self, seq: Sequence) -> None:
         """Out of the engine: off the queues, its blocks freed, the proposer's record of it gone."""
         self.requests.pop(seq.request_id, None)
         self.scheduler.remove(seq)
+        self.structured.remove(seq)
         seq.clear_drafts()
         if self.proposer is not None:
             self.proposer.forget(seq.request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self.structured.pending)
 
     # -- one step --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        if self.executor is not None and self.executor.pp > 1:  # micro-batches in flight
-            from llmopt.distributed.micro_batches import pipelined_step
-
-            return pipelined_step(self)
-        sched, hits_before = self._schedule()
+        # constrained requests whose grammar finished compiling join the scheduler now
+        failed = self.structured.admit_ready(self, wait=not self.scheduler.has_unfinished())
+        if self.runner.max_in_flight > 1:  # pipeline parallelism: micro-batches in flight
+            return failed + self._pipelined_step()
+        sched = self._schedule()
         sampled, errors = self._execute(sched.scheduled)
-        return self._process(sched, sampled, errors, hits_before)
+        return failed + self._process(sched, sampled, errors)
 
-    def _schedule(self):
+    def _pipelined_step(self) -> list[RequestOutput]:
+        """Several micro-batches in flight: how pipeline parallelism keeps every stage busy.
+
+        One step at a time would leave all stages but one idle, so up to `pp` steps are
+        submitted, each scheduled from the requests not already in one (the scheduler skips
+        those: a request needs its last token back before its next step); while stage 1 runs
+        micro-batch A, stage 0 runs B. vLLM gets the same effect from pipeline_parallel_size
+        virtual engines, each with its own scheduler; here one scheduler takes turns, so the KV
+        pool and the prefix cache stay shared. Outputs come in the order steps were scheduled."""
+        while self.runner.num_in_flight < self.runner.max_in_flight:
+            sched = self._schedule()
+            if not sched.scheduled:
+                self.scheduler.finish_step(sched)
+                break
+            self.runner.submit(sched)
+        if not self.runner.num_in_flight:
+            return []
+        sched, sampled = self.runner.collect()
+        # a request aborted while its micro-batch was in flight is already gone from the engine
+        sched.scheduled = [(seq, n) for seq, n in sched.scheduled if not seq.is_finished]
+        return self._process(sched, sampled, {})
+
+    def _schedule(self) -> SchedulerOutput:
         bm = self.block_manager
         bm.step_allocated, bm.step_freed = [], []
         hits_before = bm.prefix_hits
@@ -213,65 +259,86 @@ class LLMEngine:
                 for seq in self.scheduler.running:
                     seq.clear_drafts()
         sched = self.scheduler.schedule()
+        sched.prefix_hits_before = hits_before
+        copies = bm.take_block_copies()
+        if copies:  # radix cache: hits that end inside a block get their slots before the forward
+            self.kv_cache.copy_blocks(copies)
+            if self.proposer is not None:
+                self.proposer.copy_blocks(copies)
         now = time.perf_counter()
         for seq, _ in sched.scheduled:
             if seq.metrics.first_scheduled_time is None:
                 seq.metrics.first_scheduled_time = now
-        return sched, hits_before
+        return sched
 
-    def _process(self, sched, sampled, errors, hits_before) -> list[RequestOutput]:
-        """Bookkeeping after a step's forward: tokens appended, stops checked, blocks freed or cached."""
-        bm = self.block_manager
-        now = time.perf_counter()
+    def _process(self, sched: SchedulerOutput, sampled: dict, errors: dict) -> list[RequestOutput]:
+        """Bookkeeping after a step's forward, request by request: a failure ends the request;
+        else the verified drafts are counted, the tokens appended (stops checked), and the
+        blocks freed (finished) or cached (newly full)."""
+        self.scheduler.finish_step(sched)
         before = {seq.request_id: (seq.num_computed_tokens, len(seq.spec_token_ids))
                   for seq, _ in sched.scheduled}
         outputs, finished, spec_results = [], [], {}
+        now = time.perf_counter()
         for seq, n in sched.scheduled:
             if seq.request_id in errors:
                 outputs.append(self.fail_request(seq.request_id, errors[seq.request_id]))
                 finished.append(seq.request_id)
                 continue
-            drafts = seq.spec_token_ids
             emitted = sampled.get(seq.request_id)
-            if drafts and emitted is not None:
-                spec_results[seq.request_id] = {"draft_token_ids": list(drafts),
-                                                "emitted_token_ids": [t for t, _ in emitted]}
-                # k drafts were computed; only the accepted ones (len(emitted) - 1) stay valid
-                accepted = len(emitted) - 1
-                seq.num_computed_tokens += n - len(drafts) + accepted
-                self.spec_stats["num_drafts"] += 1
-                self.spec_stats["num_draft_tokens"] += len(drafts)
-                self.spec_stats["num_accepted_tokens"] += accepted
-                self.spec_stats["accepted_per_position"][:accepted] = [
-                    c + 1 for c in self.spec_stats["accepted_per_position"][:accepted]]
+            if seq.spec_token_ids and emitted is not None:
+                spec_results[seq.request_id] = self._count_verified(seq, n, emitted)
             else:
                 seq.num_computed_tokens += n
             seq.clear_drafts()
-            for token, lp in emitted or []:
-                # tokens of an accepted run go in one by one, so that EOS, stop strings and
-                # max_tokens end the request exactly where plain decoding would
-                seq.append_token(token, now)
-                if lp is not None:
-                    seq.record_logprobs(token, *lp)
-                self.stats["generation_tokens"] += 1
-                seq.check_stop(self.eos_token_ids, self.max_model_len, self.tokenizer)
-                if seq.is_finished:
-                    break
-            if self.proposer is not None and not seq.is_finished:
-                bm.trim(seq.request_id, len(seq))  # blocks that only held rejected drafts
-            # full blocks become shareable once their KV is written
-            bm.cache_full_blocks(seq.request_id, seq.token_ids, seq.num_computed_tokens)
+            self._append_tokens(seq, emitted or [], now)
+            if emitted and seq.grammar is not None:
+                self.structured.jump_forward(seq, self, now)  # forced text appended, no step
+            self._release_blocks(seq)
             if seq.is_finished:
-                self._drop(seq)
-                seq.finalize_text(self.tokenizer)
                 finished.append(seq.request_id)
-                self.stats["num_finished"] += 1
             if emitted is not None:
                 outputs.append(seq.to_output())
         if self.trace is not None:
-            self._record_trace(sched, before, finished, bm.prefix_hits - hits_before, spec_results)
+            self.trace.append(stats.trace_record(self, sched, before, finished, spec_results))
         self.step_count += 1
         return outputs
+
+    def _count_verified(self, seq: Sequence, n: int, emitted: list[tuple]) -> dict:
+        """k drafts were computed; only the accepted ones (len(emitted) - 1) stay valid."""
+        drafts, accepted = list(seq.spec_token_ids), len(emitted) - 1
+        seq.num_computed_tokens += n - len(drafts) + accepted
+        st = self.spec_stats
+        st["num_drafts"] += 1
+        st["num_draft_tokens"] += len(drafts)
+        st["num_accepted_tokens"] += accepted
+        st["accepted_per_position"][:accepted] = [c + 1 for c in st["accepted_per_position"][:accepted]]
+        return {"draft_token_ids": drafts, "emitted_token_ids": [t for t, _ in emitted]}
+
+    def _append_tokens(self, seq: Sequence, emitted: list[tuple], now: float) -> None:
+        """Tokens of an accepted run go in one by one, so that EOS, stop strings and max_tokens
+        end the request exactly where plain decoding would."""
+        for token, lp in emitted:
+            seq.append_token(token, now)
+            if lp is not None:
+                seq.record_logprobs(token, *lp)
+            self.stats["generation_tokens"] += 1
+            if seq.grammar is not None and not self.structured.accept(seq, token):
+                break  # the grammar refused it: this request fails alone
+            seq.check_stop(self.eos_token_ids, self.max_model_len, self.tokenizer)
+            if seq.is_finished:
+                break
+
+    def _release_blocks(self, seq: Sequence) -> None:
+        bm = self.block_manager
+        if self.proposer is not None and not seq.is_finished:
+            bm.trim(seq.request_id, len(seq))  # blocks that only held rejected drafts
+        # full blocks become shareable once their KV is written
+        bm.cache_full_blocks(seq.request_id, seq.token_ids, seq.num_computed_tokens)
+        if seq.is_finished:
+            self.remove_request(seq)
+            seq.finalize_text(self.tokenizer)
+            self.stats["num_finished"] += 1
 
     def _execute(self, scheduled) -> tuple[dict, dict[str, Exception]]:
         """The step's forward and sampling -> (request_id -> emitted tokens, request_id -> error).
@@ -316,7 +383,7 @@ class LLMEngine:
             k = min(self.num_spec_tokens, room)
             if k < 1:
                 continue
-            if self.proposer.writes_kv and not self.block_manager.allocate(seq.request_id, len(seq) + k):
+            if self.proposer.writes_kv and not self.scheduler.allocate_lookahead(seq, self.proposer.lookahead_slots(k)):
                 continue
             seqs.append(seq)
             ks.append(k)
@@ -324,79 +391,10 @@ class LLMEngine:
             for seq, (drafts, q) in zip(seqs, self.proposer.propose(seqs, ks)):
                 seq.spec_token_ids, seq.spec_draft_probs = drafts, q
 
-    def _record_trace(self, sched, before, finished, hits, spec_results) -> None:
-        bm = self.block_manager
-        # decode work: one new token (plus its speculative drafts) after the whole prompt;
-        # anything else, a recompute after preemption included, is prefill work
-        is_decode = {s.request_id: before[s.request_id][0] >= len(s.prompt_token_ids) and
-                     n == 1 + before[s.request_id][1] for s, n in sched.scheduled}
-        self.trace.append({
-            "step": self.step_count, "time": time.perf_counter(),
-            "scheduled": [{"request_id": s.request_id, "num_tokens": n,
-                           "context_len": before[s.request_id][0],
-                           "num_draft_tokens": before[s.request_id][1],
-                           # speculation: the drafts, and what the verification emitted (the
-                           # accepted prefix of the drafts, then a replacement or bonus token)
-                           **spec_results.get(s.request_id, {}),
-                           "kind": "decode" if before[s.request_id][0] >= len(s.prompt_token_ids)
-                           else "prefill"} for s, n in sched.scheduled],
-            "num_prefill_tokens": sum(n for s, n in sched.scheduled if not is_decode[s.request_id]),
-            "num_decode_tokens": sum(n for s, n in sched.scheduled if is_decode[s.request_id]),
-            "preempted": [s.request_id for s in sched.preempted],
-            "finished": finished,
-            "blocks_allocated": list(bm.step_allocated), "blocks_freed": list(bm.step_freed),
-            "prefix_hit_tokens": hits,
-            "block_tables": {rid: list(t) for rid, t in bm.block_tables.items()},
-            "num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
-            **self.memory_stats(),
-            **moe_step_stats(self.model),  # DeepSeek: tokens per expert, load imbalance
-        })
-
-    # -- numbers -------------------------------------------------------------------------------------
+    # -- numbers (llmopt/engine/stats.py) ---------------------------------------------------------------
     def memory_stats(self) -> dict[str, float]:
         """Blocks used, slots they reserve, and tokens actually stored in them."""
-        bm = self.block_manager
-        filled: dict[int, int] = {}
-        for seq in self.scheduler.running:
-            table = bm.block_tables.get(seq.request_id, [])
-            for i, b in enumerate(table):
-                n = min(self.block_size, max(0, seq.num_computed_tokens - i * self.block_size))
-                filled[b] = max(filled.get(b, 0), n)
-        used = self.num_blocks - bm.num_free_blocks
-        return {"num_blocks": self.num_blocks, "blocks_used": used,
-                "blocks_cached": len(bm.cached), "slots_reserved": used * self.block_size,
-                "tokens_stored": sum(filled.values()), "kv_cache_usage_perc": bm.usage}
+        return stats.memory_stats(self)
 
     def get_metrics(self) -> dict[str, float]:
-        bm = self.block_manager
-        return {
-            "kv_cache_usage_perc": bm.usage,
-            "num_preemptions": float(self.scheduler.num_preemptions),
-            "prefix_cache_queries": float(bm.prefix_queries),
-            "prefix_cache_hits": float(bm.prefix_hits),
-            "spec_decode_num_drafts": float(self.spec_stats["num_drafts"]),
-            "spec_decode_num_draft_tokens": float(self.spec_stats["num_draft_tokens"]),
-            "spec_decode_num_accepted_tokens": float(self.spec_stats["num_accepted_tokens"]),
-            # mean tokens a verification step yields per sequence: 1 + accepted / drafts
-            "spec_decode_mean_acceptance_length": 1.0 + self.spec_stats["num_accepted_tokens"] / max(
-                1, self.spec_stats["num_drafts"]),
-            **{f"spec_decode_num_accepted_tokens_per_pos_{i}": float(c)
-               for i, c in enumerate(self.spec_stats["accepted_per_position"])},
-            "num_requests_running": float(len(self.scheduler.running)),
-            "num_requests_waiting": float(len(self.scheduler.waiting)),
-            "num_kv_blocks": float(self.num_blocks),
-            **{k: float(v) for k, v in self.stats.items()},
-        }
-
-
-def _generation_eos(path: Path) -> set[int]:
-    f = Path(path) / "generation_config.json"  # (a GGUF file has none: its header names EOS)
-    if not f.is_file():
-        return set()
-    try:
-        eos = json.loads(f.read_text()).get("eos_token_id")
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{f} is not valid JSON: {e}") from None
-    if eos is None:
-        return set()
-    return set(eos) if isinstance(eos, list) else {int(eos)}
+        return stats.metrics(self)

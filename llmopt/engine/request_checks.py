@@ -7,6 +7,7 @@ to generate, or a request whose worst case could never fit in the KV pool or a s
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from numbers import Integral
 
 from llmopt.sampling_params import SamplingParams
@@ -67,6 +68,7 @@ def check_request(engine, ids: list[int], params: SamplingParams, index: int | s
     if params.min_tokens and len(held) >= vocab:  # min_tokens masks them all: nothing to draw
         raise ValueError(f"request {index}: stop_token_ids and EOS cover the whole vocabulary, so "
                          "min_tokens leaves no token to generate")
+    engine.structured.check(params, index)
     worst = min(engine.max_model_len, len(ids) + (params.max_tokens or engine.max_model_len))
     need = engine.block_manager.blocks_needed(worst)
     if need > engine.num_blocks:
@@ -78,3 +80,12 @@ def check_request(engine, ids: list[int], params: SamplingParams, index: int | s
         raise ValueError(f"request {index} may need {worst} tokens in one step, over "
                          f"max_num_batched_tokens={engine.config.max_num_batched_tokens} with chunked "
                          "prefill off; enable_chunked_prefill=True, or lower max_tokens")
+
+
+@dataclass(frozen=True)
+class ProcessedPrompt:
+    """A prompt and its sampling parameters, checked and tokenized (`LLMEngine.process_inputs`)."""
+
+    text: str | None
+    token_ids: list[int]
+    params: SamplingParams

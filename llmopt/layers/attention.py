@@ -1,11 +1,20 @@
-"""Causal self-attention over a sequence's cached keys and values, in plain torch.
+"""Attention's one home: the cache stores a step's keys and values, attention attends.
+
+Every attention layer calls `attention(q, k, v, kv_cache, layer, ...)`: the cache writes this
+step's new keys and values where its layout keeps them (nowhere, a contiguous strip per
+sequence, or the slots of a paged pool), then the new queries attend over everything their
+sequence has so far. `AttentionMetadata` says, once per step, which sequence owns which of
+the flat batch's tokens, and where their keys live (vLLM's attention metadata); the step hands
+it to the cache (`kv_cache.begin_step(meta)`, done by `llmopt.model.forward.run_model`), and
+every layer reads it there.
 
 New queries sit at the end of their sequence: query j of n new tokens has position
 `num_computed + j` and sees every key at or before it (and, with a sliding window,
 only the last `window` of those). With GQA each group of `num_queries_per_kv` query heads
 reads one shared key/value head.
 
-On a GPU, SDPA's fused kernels do this (`enable_gqa` handles the groups). On the CPU,
+On a GPU, SDPA's fused kernels do this (`enable_gqa` handles the groups), and paged pools
+go through the Triton kernels of llmopt.kernels.paged_attention. On the CPU,
 two plain matmuls per tile of queries are faster for the shapes an engine sees (2.8x for a
 256-token prompt, 3.4x for 512, 4.6x for 1024: medians against SDPA on the bundled model's
 heads, 2 threads),
@@ -17,8 +26,279 @@ causal square that the mask would throw away.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 import torch.nn.functional as F
+
+from llmopt.kernels import cpu
+from llmopt.kernels.cpu.paged_attention import POOL_DTYPES, QUERY_DTYPES, paged_attention_cpu
+from llmopt.kernels.paged_attention import paged_attention as paged_attention_triton
+
+
+@dataclass
+class AttentionMetadata:
+    """One step's layout: sequence i brings query_lens[i] new tokens after context_lens[i]
+    cached ones; the flat batch holds them one sequence after another.
+
+    Paged pools also need each sequence's block table and each new token's slot
+    (block * block_size + offset); a contiguous cache needs each sequence's strip (`slots`).
+    """
+
+    query_lens: list[int]
+    context_lens: list[int]
+    positions: torch.Tensor                          # [num_tokens] position of each new token
+    slots: list[int] | None = None                   # contiguous cache: each sequence's strip
+    block_tables: list[list[int]] | None = None      # paged: per sequence, its blocks in order
+    slot_mapping: torch.Tensor | None = None         # [num_tokens] block * block_size + offset
+    block_table_tensor: torch.Tensor | None = None   # [num_seqs, max_blocks] int32, padded with 0
+    query_start_loc: torch.Tensor | None = None      # [num_seqs + 1] int32
+    seq_lens_tensor: torch.Tensor | None = None      # [num_seqs] int32
+    plans: dict = field(default_factory=dict, repr=False)  # the torch path's gathers, per pool shape
+    tree_masks: list | None = None  # draft trees: per sequence a bool [new, context + new] mask, or None
+
+    @property
+    def seq_lens(self) -> list[int]:
+        return [c + q for c, q in zip(self.context_lens, self.query_lens)]
+
+    @property
+    def is_decode(self) -> bool:
+        return all(n == 1 for n in self.query_lens)
+
+    @classmethod
+    def uncached(cls, query_lens: list[int], device="cpu") -> "AttentionMetadata":
+        """Whole sequences, nothing cached before: the naive loop, calibration, perplexity."""
+        return cls(list(query_lens), [0] * len(query_lens), _positions([0] * len(query_lens), query_lens, device))
+
+    @classmethod
+    def contiguous(cls, slots: list[int], context_lens: list[int], query_lens: list[int],
+                   device="cpu") -> "AttentionMetadata":
+        """Sequences in the strips `slots` of a ContiguousKVCache, context_lens tokens cached."""
+        return cls(list(query_lens), list(context_lens), _positions(context_lens, query_lens, device),
+                   slots=list(slots))
+
+    @classmethod
+    def paged(cls, tables: list[list[int]], context_lens: list[int], query_lens: list[int],
+              block_size: int, device="cpu", slot_fn=None) -> "AttentionMetadata":
+        """Sequences whose KV lives in the blocks of `tables` (draft models and heads run on
+        the same block tables, with KV pools of their own). slot_fn: what maps positions to
+        slots (`slots_of`; lesson 02's exercise passes the learner's)."""
+        slot_fn = slot_fn or slots_of
+        slots = []
+        for table, start, n in zip(tables, context_lens, query_lens):
+            slots += slot_fn(table, range(start, start + n), block_size)
+        width = max(len(t) for t in tables)
+        qsl = [0]
+        for n in query_lens:
+            qsl.append(qsl[-1] + n)
+        return cls(
+            list(query_lens), list(context_lens), _positions(context_lens, query_lens, device),
+            block_tables=tables, slot_mapping=torch.tensor(slots, device=device),
+            block_table_tensor=torch.tensor([t + [0] * (width - len(t)) for t in tables],
+                                            dtype=torch.int32, device=device),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
+            seq_lens_tensor=torch.tensor([c + n for c, n in zip(context_lens, query_lens)],
+                                         dtype=torch.int32, device=device))
+
+
+def slots_of(table: list[int], positions, block_size: int) -> list[int]:
+    """Cache slot of each token position of a sequence: block * block_size + offset."""
+    return [table[p // block_size] * block_size + p % block_size for p in positions]
+
+
+def _positions(context_lens, query_lens, device) -> torch.Tensor:
+    pos = [p for c, n in zip(context_lens, query_lens) for p in range(c, c + n)]
+    return torch.tensor(pos, dtype=torch.long, device=device)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache, layer: int, scale: float,
+              window: int | None = None) -> torch.Tensor:
+    """Store this step's keys and values in `kv_cache`, then attend. q: [T, Hq, D]; k, v: [T, Hkv, D]."""
+    meta = kv_cache.metadata
+    held = kv_cache.store(layer, k, v)  # a cache that keeps nothing may hand back what to read instead
+    if kv_cache.layout == "paged":
+        return paged_attention(q, k, v, kv_cache, layer, meta, scale, window)
+    if kv_cache.layout == "contiguous":
+        return contiguous_attention(q, kv_cache.k[layer], kv_cache.v[layer], meta, scale, window)
+    if kv_cache.layout == "none":  # every sequence is whole in this step: its keys are this step's
+        k, v = held if held is not None else (k, v)
+        outs, start = [], 0
+        for n in meta.query_lens:
+            outs.append(sequence_attention(q[start:start + n], k[start:start + n], v[start:start + n],
+                                           scale, window))
+            start += n
+        return torch.cat(outs)
+    raise TypeError(f"{type(kv_cache).__name__} keeps {kv_cache.layout} rows, not keys and values per head "
+                    "(an MLA model's latent cache is read by llmopt.layers.mla)")
+
+
+def contiguous_attention(q, K, V, meta: AttentionMetadata, scale, window=None):
+    """Over strips K, V [max_seqs, Hkv, max_len, D] that already hold this step's keys."""
+    if meta.is_decode:  # every sequence brings one token: attend in one batched call
+        idx = torch.tensor(meta.slots, device=K.device)
+        lens = torch.tensor(meta.seq_lens, device=K.device)
+        Lmax = max(meta.seq_lens)
+        return batched_decode_attention(q, K[idx, :, :Lmax], V[idx, :, :Lmax], lens, scale, window)
+    outs, start = [], 0
+    for slot, total, n in zip(meta.slots, meta.seq_lens, meta.query_lens):
+        outs.append(sequence_attention(q[start:start + n], K[slot, :, :total].transpose(0, 1),
+                                       V[slot, :, :total].transpose(0, 1), scale, window))
+        start += n
+    return torch.cat(outs)
+
+
+# -- paged attention --------------------------------------------------------------------------------
+
+def paged_attention(q, k, v, cache, layer: int, meta: AttentionMetadata, scale: float, window=None):
+    """Over a paged pool [num_blocks, block_size, Hkv, D] whose slots already hold this step's keys.
+
+    On CUDA the Triton kernels read the block tables directly; on the CPU the C++ kernel does
+    (llmopt/kernels/cpu/paged_attention.cpp: each key read once for its query heads, long
+    contexts split across threads). Where neither runs, a torch path: decodes gathered in
+    groups of similar length into one padded batch each (one SDPA call per group), prompts and
+    chunks one at a time. It is the kernels' reference too. An FP8 pool is read as fp8 * scale.
+    """
+    K, V = cache.k[layer], cache.v[layer]
+    ks, vs = cache.k_scale[layer], cache.v_scale[layer]
+    if meta.tree_masks is not None:  # the kernels assume causal rows: tree steps take the torch path
+        return paged_masked_attention(q, K, V, ks, vs, meta, cache.block_size, scale, window)
+    if cache.use_triton:
+        return paged_attention_triton(q, K, V, meta.block_table_tensor, meta.query_start_loc,
+                                      meta.seq_lens_tensor, scale, window, max_query_len=max(meta.query_lens),
+                                      k_scale=ks, v_scale=vs)
+    if (getattr(cache, "use_cpu_kernel", True) and q.device.type == "cpu" and q.dtype in QUERY_DTYPES
+            and K.dtype in POOL_DTYPES and isinstance(ks, float) and cpu.available()):
+        return paged_attention_cpu(q, K, V, meta.block_table_tensor, meta.query_start_loc, meta.seq_lens_tensor,
+                                   scale, window, ks, vs)
+    return paged_attention_torch(q, k, v, K, V, ks, vs, meta, cache.block_size, scale, window)
+
+
+def paged_attention_torch(q, k, v, K, V, ks, vs, meta: AttentionMetadata, block_size: int, scale: float,
+                          window=None):
+    """The torch path over the pool K, V (see paged_attention)."""
+    decode_groups, prefills = _torch_plan(meta, block_size, K.shape[2], q.dtype, K.device)
+    out = torch.empty_like(q)
+    num_kv_heads, head_dim = K.shape[2], K.shape[3]
+    for tokens, gather, mask, lens, L in decode_groups:
+        # each group's keys and values as a padded [B, Hkv, L, D] batch (index_select is the
+        # fastest gather torch has on CPU), then one SDPA call
+        B = tokens.shape[0]
+        kg = _read(K.view(-1, head_dim), gather, ks, q.dtype, (B, num_kv_heads, L, head_dim))
+        vg = _read(V.view(-1, head_dim), gather, vs, q.dtype, (B, num_kv_heads, L, head_dim))
+        if window is not None:  # sliding window: only the last `window` keys of each sequence
+            pos = torch.arange(L, device=q.device)
+            mask = mask.masked_fill((pos[None, :] < lens[:, None] - window)[:, None, None, :], float("-inf"))
+        out[tokens] = F.scaled_dot_product_attention(q[tokens].unsqueeze(2), kg, vg, attn_mask=mask,
+                                                     scale=scale, enable_gqa=True).squeeze(2)
+    fp8 = K.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    for s, e, ctx, blocks in prefills:
+        if blocks is None and not fp8:  # a whole prompt: its keys are this step's keys
+            keys, values = k[s:e], v[s:e]
+        elif blocks is None:            # ... as the FP8 pool holds them, so chunked == unchunked
+            slots = meta.slot_mapping[s:e].long()
+            keys = _read(K.view(-1, *K.shape[2:]), slots, ks, q.dtype)
+            values = _read(V.view(-1, *V.shape[2:]), slots, vs, q.dtype)
+        else:                           # a chunk after cached context: read the context from the blocks
+            keys = _read(K, blocks, ks, q.dtype).flatten(0, 1)[:ctx + e - s]
+            values = _read(V, blocks, vs, q.dtype).flatten(0, 1)[:ctx + e - s]
+        out[s:e] = sequence_attention(q[s:e], keys, values, scale, window)
+    return out
+
+
+def paged_masked_attention(q, K, V, ks, vs, meta: AttentionMetadata, block_size: int, scale: float,
+                           window=None):
+    """A step with explicit masks (draft-tree verification, llmopt/worker/draft_tree.py): each
+    sequence's keys are read from its blocks in slot order and its queries attend where its
+    mask allows (a sequence without one: causal). Slot order need not be position order here;
+    keys carry their positions already (RoPE was applied before they were stored). Two matmuls
+    with each group's query heads stacked, as in _tiled_attention (SDPA's masked CPU path is slower)."""
+    out = torch.empty_like(q)
+    num_kv_heads, head_dim = K.shape[2], K.shape[3]
+    group = q.shape[1] // num_kv_heads
+    start = 0
+    for i, (n, total) in enumerate(zip(meta.query_lens, meta.seq_lens)):
+        blocks = torch.tensor(meta.block_tables[i][:-(-total // block_size)], device=q.device)
+        keys = _read(K, blocks, ks, q.dtype).flatten(0, 1)[:total]      # [L, Hkv, D]
+        values = _read(V, blocks, vs, q.dtype).flatten(0, 1)[:total]
+        mask = meta.tree_masks[i]
+        if mask is None:
+            mask = causal_mask(n, total, window, q.device)
+        elif window is not None:
+            raise ValueError("draft-tree steps do not support sliding-window attention")
+        grouped = q[start:start + n].view(n, num_kv_heads, group, head_dim).transpose(0, 1)
+        scores = torch.bmm(grouped.reshape(num_kv_heads, n * group, head_dim), keys.permute(1, 2, 0))
+        scores = (scores.view(num_kv_heads, n, group, total).float() * scale).masked_fill_(
+            ~mask[None, :, None, :], float("-inf"))
+        probs = scores.softmax(-1).to(q.dtype).view(num_kv_heads, n * group, total)
+        heads = torch.bmm(probs, values.transpose(0, 1)).view(num_kv_heads, n, group, head_dim)
+        out[start:start + n] = heads.transpose(0, 1).reshape(n, -1, head_dim)
+        start += n
+    return out
+
+
+# Decodes are attended in groups of similar length: the torch path pads each group to its
+# longest context, so sorting by length first keeps the padding small.
+DECODE_GROUP = 16
+
+
+def _torch_plan(meta: AttentionMetadata, block_size: int, num_kv_heads: int, dtype, device):
+    """The torch path's gathers and masks, worked out once per step (not once per layer) and
+    kept on the metadata for every pool of the same shape."""
+    key = (block_size, num_kv_heads, dtype, str(device))
+    if key in meta.plans:
+        return meta.plans[key]
+    decode = sorted((i for i, n in enumerate(meta.query_lens) if n == 1), key=lambda i: meta.seq_lens[i])
+    starts = meta.query_start_loc[:-1].long()
+    groups = []
+    for g in range(0, len(decode), DECODE_GROUP):
+        rows = decode[g:g + DECODE_GROUP]
+        index = torch.tensor(rows, device=device)
+        lens = meta.seq_lens_tensor.long()[index]
+        L = meta.seq_lens[rows[-1]]  # rows are sorted by length: the group's longest
+        tables = meta.block_table_tensor[index, :-(-L // block_size)].long()
+        # Each sequence's slots for positions 0..L-1; positions past its own length (the
+        # group's padding) re-read its position 0, a written slot, and are masked out.
+        pos = torch.arange(L, device=device)
+        valid = pos[None, :] < lens[:, None]
+        slots = tables[:, pos // block_size] * block_size + pos % block_size
+        slots = torch.where(valid, slots, slots[:, :1])
+        # The pool viewed as rows of head_dim numbers, ordered (sequence, kv head, position):
+        # one gather gives each group a contiguous [B, Hkv, L, D].
+        heads = torch.arange(num_kv_heads, device=device)
+        gather = (slots[:, None, :] * num_kv_heads + heads[None, :, None]).flatten()
+        mask = torch.zeros(len(rows), 1, 1, L, dtype=dtype, device=device).masked_fill_(
+            ~valid[:, None, None, :], float("-inf"))
+        groups.append((starts[index], gather, mask, lens, L))
+    # Prompts and prompt chunks: where their queries sit, and (after cached context) which
+    # blocks hold their keys.
+    prefills, start = [], 0
+    for i, (n, ctx) in enumerate(zip(meta.query_lens, meta.context_lens)):
+        if n > 1:
+            blocks = None
+            if ctx:
+                blocks = torch.tensor(meta.block_tables[i][:-(-(ctx + n) // block_size)], device=device)
+            prefills.append((start, start + n, ctx, blocks))
+        start += n
+    meta.plans[key] = groups, prefills
+    return groups, prefills
+
+
+def _read(pool: torch.Tensor, index: torch.Tensor, scale, dtype, shape=None) -> torch.Tensor:
+    """pool[index] along dim 0 (viewed as `shape`), in the model's dtype: as stored, or fp8 * scale.
+    A scale per KV head [Hkv, 1] (or per head and channel [Hkv, D]) broadcasts over [..., Hkv, D],
+    and over a decode group's [B, Hkv, L, D] as [Hkv, 1, 1 or D]."""
+    if pool.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+        raw = pool.index_select(0, index)
+        return raw if shape is None else raw.view(shape)
+    # gather the bytes (every device gathers uint8; not every one gathers float8), then widen
+    raw = pool.view(torch.uint8).index_select(0, index).view(pool.dtype)
+    if shape is not None:
+        raw = raw.view(shape)
+        scale = scale[:, None] if isinstance(scale, torch.Tensor) else scale
+    return (raw.float() * scale).to(dtype)
+
+
+# -- the attention math, one sequence or one batch of decodes ----------------------------------------
 
 # Queries per tile on the CPU path: small enough that a tile's scores stay in cache and the
 # causal skipping is fine-grained, large enough that each matmul is worth its call.

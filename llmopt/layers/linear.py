@@ -373,7 +373,7 @@ class KernelLinear(QuantLinear):
 
 
 def make_quant_linear(scheme, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> QuantLinear:
-    """The module a `QuantScheme` (llmopt.quant.formats) asks for, empty, ready to load into."""
+    """The module a `QuantScheme` (llmopt.layers.quant_formats) asks for, empty, ready to load into."""
     if scheme.method == "gptq":
         return GPTQLinear(in_features, out_features, scheme.bits, scheme.group_size, bias, dtype)
     if scheme.method == "awq":

@@ -19,11 +19,27 @@ de-interleaves first, so the rotate-half RoPE of llmopt.layers.rotary applies.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
+from llmopt.kernels.mla_attention import latent_attention, mla_attention, mla_attention_ref
 from llmopt.layers.norm import RMSNorm
-from llmopt.model.config import ModelConfig
+
+
+@dataclass
+class MLAConfig:
+    """Multi-head latent attention's shapes (DeepSeek-V2/V3): K and V come from a
+    kv_lora_rank latent, plus a qk_rope_head_dim RoPE key shared by all heads."""
+
+    kv_lora_rank: int
+    q_lora_rank: int | None     # None: q is one plain projection
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool = True
+    softmax_scale: float = 1.0  # qk_head_dim^-0.5, times YaRN's mscale^2 when it applies
 
 
 def deinterleave(x: torch.Tensor) -> torch.Tensor:
@@ -32,7 +48,8 @@ def deinterleave(x: torch.Tensor) -> torch.Tensor:
 
 
 class MLAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, attention_bias: bool = False):
+    def __init__(self, cfg, layer_idx: int, attention_bias: bool = False):
+        """cfg: the model's ModelConfig (its hidden size, heads, and `mla` shapes)."""
         super().__init__()
         m = cfg.mla
         self.layer_idx, self.cfg = layer_idx, m
@@ -68,8 +85,33 @@ class MLAttention(nn.Module):
         w_kv = self.kv_b_proj.weight.view(H, m.qk_nope_head_dim + m.v_head_dim, R)
         w_uk, w_uv = w_kv[:, :m.qk_nope_head_dim], w_kv[:, m.qk_nope_head_dim:]
         q_latent = torch.einsum("thn,hnr->thr", q_nope, w_uk)
-        out_latent = kv_cache.attend_latent(self.layer_idx, torch.cat([q_latent, q_pe], -1),
-                                            torch.cat([latent, k_pe[:, 0]], -1), R, m.softmax_scale)
+        out_latent = latent_cache_attention(torch.cat([q_latent, q_pe], -1), torch.cat([latent, k_pe[:, 0]], -1),
+                                            kv_cache, self.layer_idx, R, m.softmax_scale)
         # ... and W_UV into the output: each head's R-wide result to its v_head_dim values
         out = torch.einsum("thr,hvr->thv", out_latent, w_uv)
         return self.o_proj(out.reshape(T, H * m.v_head_dim))
+
+
+def latent_cache_attention(q: torch.Tensor, kv: torch.Tensor, kv_cache, layer: int, kv_lora_rank: int,
+                           scale: float) -> torch.Tensor:
+    """Store this step's latent rows kv [T, R + r] in the cache, then attend q [T, H, R + r] over
+    each sequence's rows -> [T, H, R]. A paged latent pool is read through the block tables
+    (the Triton kernel on CUDA, its torch reference elsewhere); with no cache, every sequence
+    is whole in this step."""
+    if kv_cache.layout not in ("latent", "none"):
+        raise TypeError(f"{type(kv_cache).__name__} keeps keys and values per head; an MLA model (DeepSeek) "
+                        "needs a latent cache: the paged engine's MLAPagedKVCache, or NoKVCache")
+    meta = kv_cache.metadata
+    kv_cache.store_latent(layer, kv)
+    if kv_cache.layout == "latent":
+        pool = kv_cache.kv[layer]
+        if kv_cache.use_triton:
+            return mla_attention(q.contiguous(), pool, meta.block_table_tensor, meta.query_start_loc,
+                                 meta.seq_lens_tensor, kv_lora_rank, scale, max_query_len=max(meta.query_lens))
+        return mla_attention_ref(q, pool, meta.block_table_tensor, meta.query_start_loc, meta.seq_lens_tensor,
+                                 kv_lora_rank, scale)
+    outs, start = [], 0
+    for n in meta.query_lens:
+        outs.append(latent_attention(q[start:start + n], kv[start:start + n], kv_lora_rank, scale))
+        start += n
+    return torch.cat(outs)

@@ -17,11 +17,26 @@ and load imbalance.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmopt.model.config import MoEConfig
+
+@dataclass
+class MoEConfig:
+    """DeepSeek-V3's mixture of experts: sigmoid router, bias-corrected grouped top-k."""
+
+    n_routed_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    n_shared_experts: int
+    n_group: int
+    topk_group: int
+    norm_topk_prob: bool
+    routed_scaling_factor: float
+    first_k_dense_replace: int  # the first layers keep a dense MLP
 
 
 def route(logits: torch.Tensor, bias: torch.Tensor, cfg: MoEConfig) -> tuple[torch.Tensor, torch.Tensor]:

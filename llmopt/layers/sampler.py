@@ -82,6 +82,24 @@ def hold_back_stop_tokens(logits: torch.Tensor, rows: list[tuple[int, int, objec
     return masked
 
 
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """int32 bitmask [B, ceil(V / 32)] -> bool [B, V]: bit j of word w allows token 32 * w + j
+    (xgrammar's layout, and vLLM's and SGLang's)."""
+    bits = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    return ((bitmask[:, :, None] >> bits) & 1).bool().flatten(1)[:, :vocab_size]
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """Structured outputs: a copy of `logits` in which row rows[i] keeps only the tokens that
+    bitmask[i] allows (the rest -inf). It comes before temperature, top-k and top-p, so a draw
+    is from the model's distribution renormalized over the allowed tokens, then filtered."""
+    allowed = unpack_bitmask(bitmask.to(logits.device), logits.shape[-1])
+    index = torch.tensor(rows, device=logits.device)
+    masked = logits.clone()
+    masked[index] = masked[index].masked_fill(~allowed, float("-inf"))
+    return masked
+
+
 def sample(logits: torch.Tensor, params: list, generators: list[torch.Generator | None]) -> torch.Tensor:
     """One token per row. `params` are SamplingParams; greedy rows take the argmax."""
     out = logits.argmax(dim=-1)

@@ -11,6 +11,9 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from llmopt.layers.mla import MLAConfig
+from llmopt.layers.moe import MoEConfig
+
 # The architectures whose weights map onto llmopt's decoder, and what differs between them.
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -20,35 +23,6 @@ SUPPORTED_ARCHITECTURES = {
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 YARN_ARCHITECTURES = ("deepseek_v3",)  # YaRN, tested against transformers for these only
-
-
-@dataclass
-class MLAConfig:
-    """Multi-head latent attention's shapes (DeepSeek-V2/V3): K and V come from a
-    kv_lora_rank latent, plus a qk_rope_head_dim RoPE key shared by all heads."""
-
-    kv_lora_rank: int
-    q_lora_rank: int | None     # None: q is one plain projection
-    qk_nope_head_dim: int
-    qk_rope_head_dim: int
-    v_head_dim: int
-    rope_interleave: bool = True
-    softmax_scale: float = 1.0  # qk_head_dim^-0.5, times YaRN's mscale^2 when it applies
-
-
-@dataclass
-class MoEConfig:
-    """DeepSeek-V3's mixture of experts: sigmoid router, bias-corrected grouped top-k."""
-
-    n_routed_experts: int
-    num_experts_per_tok: int
-    moe_intermediate_size: int
-    n_shared_experts: int
-    n_group: int
-    topk_group: int
-    norm_topk_prob: bool
-    routed_scaling_factor: float
-    first_k_dense_replace: int  # the first layers keep a dense MLP
 
 
 @dataclass

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 from functools import lru_cache
 from pathlib import Path
 
@@ -215,8 +216,14 @@ def load_gguf_tokenizer(path: str | Path):
         tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     except Exception as e:
         raise ValueError(f"could not build a tokenizer from GGUF file {path} ({type(e).__name__}: {e})") from None
+    # Written beside the entry, then renamed into place: a process reading the cache (another
+    # engine starting at the same time) sees a whole entry or none.
+    partial = cache.with_name(f".{key}.{os.getpid()}")
     try:
-        tok.save_pretrained(str(cache))
+        tok.save_pretrained(str(partial))
+        os.replace(partial, cache)
     except OSError:
-        pass  # a read-only home: build it each time
+        pass  # a read-only home (build it each time), or another process's entry got there first
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
     return tok

@@ -4,8 +4,8 @@
                             RMSNorm -> SwiGLU MLP           -> + residual] -> RMSNorm -> lm_head
 
 The forward works on a flat batch: `input_ids` and `positions` are 1-D over all new
-tokens of all sequences in the step, and the KV cache knows which tokens belong to
-which sequence. q/k/v are one fused matmul, and gate/up another (as vLLM does): fewer,
+tokens of all sequences in the step, and the KV cache holds the step's metadata (which
+tokens belong to which sequence; llmopt.layers.attention). q/k/v are one fused matmul, and gate/up another (as vLLM does): fewer,
 larger matmuls are faster on every device; the loader splices the checkpoint's
 separate q_proj/k_proj/v_proj and gate_proj/up_proj into them.
 """
@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmopt.layers.attention import attention
 from llmopt.layers.norm import RMSNorm
 from llmopt.layers.rotary import RotaryEmbedding
 from llmopt.model.config import ModelConfig
@@ -40,7 +41,7 @@ class LlamaAttention(nn.Module):
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         q, k = rotary(positions, q, k)
-        out = kv_cache.attend(self.layer_idx, q, k, v, self.scale, self.window)
+        out = attention(q, k, v, kv_cache, self.layer_idx, self.scale, self.window)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 

@@ -16,6 +16,10 @@ import json
 from pathlib import Path
 
 import torch
+# Imported now, not lazily: the first nn.init call under a device context imports it, and
+# torch.fx.wrap keeps the importing frame (and every frame above it: the LLM's __init__ with
+# `self`) in a reference cycle, so the first LLM of a process outlived `del` until gc ran.
+import torch._dynamo  # noqa: F401
 from safetensors import safe_open
 
 from llmopt.layers.rotary import RotaryEmbedding
@@ -63,7 +67,7 @@ def load_model(folder: str | Path, dtype: torch.dtype = torch.float32,
     """A Hugging Face folder (safetensors) or a GGUF file -> the decoder, weights loaded."""
     folder = Path(folder)
     cfg = ModelConfig.from_pretrained(folder)
-    keep_gguf_blocks = quantization == "gguf"   # llmopt.quant.gguf_repack, after the dense load
+    keep_gguf_blocks = quantization == "gguf"   # llmopt.model.gguf_repack, after the dense load
     if keep_gguf_blocks:
         if not is_gguf(folder):
             raise ValueError(f"quantization='gguf' keeps a GGUF file's quantized blocks; {folder} is not a .gguf file")
@@ -95,7 +99,7 @@ def load_model(folder: str | Path, dtype: torch.dtype = torch.float32,
     if scheme is not None and not scheme.serialized:
         quantize_linears(model, scheme.method)
     if keep_gguf_blocks:
-        from llmopt.quant.gguf_repack import repack_gguf_linears
+        from llmopt.model.gguf_repack import repack_gguf_linears
 
         repack_gguf_linears(model, str(folder))
     return model.eval()
@@ -126,7 +130,7 @@ def load_tokenizer(path: str | Path):
 # -- quantized checkpoints -----------------------------------------------------------------------------
 def quant_scheme(cfg: ModelConfig, quantization: str | None, folder: Path):
     """What config.json's quantization_config (or the `quantization` argument) asks for."""
-    from llmopt.quant.formats import QuantScheme  # the plain path imports no quantization code
+    from llmopt.layers.quant_formats import QuantScheme  # the plain path imports no quantization code
 
     if cfg.quantization_config is None:
         return QuantScheme.on_load(quantization)
@@ -145,8 +149,14 @@ def use_quantized_linears(model: LlamaForCausalLM, scheme, dtype: torch.dtype) -
         if scheme.converts(parts):
             dense = model.get_submodule(name)
             with torch.device("meta"):
-                q = make_quant_linear(scheme, dense.in_features, dense.out_features,
-                                      dense.bias is not None, dtype)
+                if scheme.method == "nf4":
+                    from llmopt.layers.nf4_linear import NF4Linear
+
+                    q = NF4Linear(dense.in_features, dense.out_features, scheme.group_size,
+                                  dense.bias is not None, dtype)
+                else:
+                    q = make_quant_linear(scheme, dense.in_features, dense.out_features,
+                                          dense.bias is not None, dtype)
             model.set_submodule(name, q)
 
 
@@ -178,10 +188,17 @@ def load_weights(model: LlamaForCausalLM, weights, source: str = "checkpoint") -
                     rows = model.shard_rows(fused, shard)
                     index = slice(*rows)
                     break
-        if target not in params:
+        # bitsandbytes stores a 4-bit weight's quantization state beside it: weight.absmax, ...
+        module_name, bnb_state, rest = target.partition(".weight.")
+        leaf = "weight." + rest if bnb_state else None
+        if target not in params and not (bnb_state and module_name + ".weight" in params):
             continue  # tensors of heads we do not run (e.g. a value head) are ignored
-        module_name, _, leaf = target.rpartition(".")
+        if leaf is None:
+            module_name, _, leaf = target.rpartition(".")
         module = model.get_submodule(module_name)
+        if bnb_state and not hasattr(module, "load_checkpoint_tensor"):
+            raise ValueError(f"{source}: tensor {name!r} is bitsandbytes quantization state for a layer "
+                             "the checkpoint's quantization_config keeps dense")
         if hasattr(module, "load_checkpoint_tensor"):  # a quantized linear places its packed shards
             module.load_checkpoint_tensor(leaf, tensor, rows, f"{source}: tensor {name!r}")
             loaded.add(name)
@@ -213,3 +230,17 @@ def load_weights(model: LlamaForCausalLM, weights, source: str = "checkpoint") -
     for module in model.modules():
         if hasattr(module, "after_loading"):
             module.after_loading(source)
+
+
+def generation_eos_ids(path: Path) -> set[int]:
+    """The end-of-sequence ids a checkpoint's generation_config.json adds to config.json's."""
+    f = Path(path) / "generation_config.json"  # (a GGUF file has none: its header names EOS)
+    if not f.is_file():
+        return set()
+    try:
+        eos = json.loads(f.read_text()).get("eos_token_id")
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{f} is not valid JSON: {e}") from None
+    if eos is None:
+        return set()
+    return set(eos) if isinstance(eos, list) else {int(eos)}

@@ -163,3 +163,20 @@ def _download(repo_id: str) -> Path:
         raise ValueError(f"could not fetch {repo_id!r} from the Hugging Face hub ({type(e).__name__}: "
                          f"{e}); offline, use a known model ({', '.join(known_names())}), a local "
                          "folder or a GGUF file") from None
+
+
+# -- the held-out text the bundled models never trained on ---------------------------------------
+HELDOUT_PATH = BUNDLED_DIR / "heldout.txt"
+CALIBRATION_CHARS = 100_000  # ~27k tokens for calibration; the remaining ~300k chars evaluate
+
+
+def heldout_text(split: str = "eval") -> str:
+    """The bundled held-out text: `"calibration"` (its first part), `"eval"` (the rest,
+    disjoint from calibration) or `"all"`. The split falls on a line boundary."""
+    if split not in ("calibration", "eval", "all"):
+        raise ValueError(f"split must be 'calibration', 'eval' or 'all', got {split!r}")
+    text = HELDOUT_PATH.read_text(encoding="utf-8")
+    if split == "all":
+        return text
+    cut = text.index("\n", CALIBRATION_CHARS) + 1
+    return text[:cut] if split == "calibration" else text[cut:]

@@ -13,13 +13,14 @@ from numbers import Integral
 
 import torch
 
-from llmopt.engine.kv_cache import NoKVCache
+from llmopt.layers.attention import AttentionMetadata
+from llmopt.worker.kv_cache import NoKVCache
 
 
 def calibration_windows(tokenizer, calibration, num_samples: int, seq_len: int, vocab_size: int) -> torch.Tensor:
     """[num_samples, seq_len] token ids from text(s) or token id lists, cut into consecutive windows."""
     if calibration is None:
-        from llmopt.eval import heldout_text
+        from llmopt.model.registry import heldout_text
 
         calibration = heldout_text("calibration")
     if isinstance(calibration, str):
@@ -56,10 +57,10 @@ class BlockInputs:
     def __init__(self, model, windows: torch.Tensor):
         n, seq_len = windows.shape
         self.model = model
-        self.cache = NoKVCache()          # every window is a whole sequence: no cache needed
-        self.cache.begin_step([seq_len] * n)
         device = model.model.embed_tokens.weight.device
-        self.positions = torch.arange(seq_len, device=device).repeat(n)
+        self.cache = NoKVCache()          # every window is a whole sequence: no cache needed
+        self.cache.begin_step(AttentionMetadata.uncached([seq_len] * n, device))
+        self.positions = self.cache.metadata.positions
         with torch.no_grad():
             self.hidden = model.model.embed_tokens(windows.flatten().to(device))
 
@@ -71,10 +72,10 @@ class BlockInputs:
     def attention(self, layer, normed: torch.Tensor) -> torch.Tensor:
         """The block's attention (q/k/v, attention, o) on already-normed inputs of the first
         len(normed) / seq_len windows."""
-        seq_len = self.cache.layout.query_lens[0]
+        seq_len = self.cache.metadata.query_lens[0]
         n = normed.shape[0] // seq_len
         cache = NoKVCache()
-        cache.begin_step([seq_len] * n)
+        cache.begin_step(AttentionMetadata.uncached([seq_len] * n, normed.device))
         return layer.self_attn(self.positions[:n * seq_len], normed, self.model.model.rotary_emb, cache)
 
     @torch.no_grad()

@@ -19,7 +19,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from llmopt.quant.formats import QuantizedWeight, to_awq, to_gptq
+from llmopt.layers.quant_formats import QuantizedWeight, to_awq, to_gptq
+from llmopt.layers.nf4_format import NF4Weight, to_bnb
+
+PACKERS = {"gptq": to_gptq, "awq": to_awq, "bitsandbytes": to_bnb}
 
 COPIED_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                 "chat_template.jinja", "generation_config.json")
@@ -35,7 +38,7 @@ def checkpoint_shards(model, name: str) -> list[tuple[str, tuple[int, int] | Non
 
 
 def save_quantized(model, source: Path, out: Path, quantization_config: dict,
-                   weights: dict[str, QuantizedWeight] | None = None, layout: str = "gptq",
+                   weights: dict[str, QuantizedWeight | NF4Weight] | None = None, layout: str = "gptq",
                    fp8_modules: dict | None = None, dtype: torch.dtype = torch.float16) -> None:
     """Write `model` to `out` with its linear layers replaced by `weights` (integer methods,
     packed in `layout`) or `fp8_modules` (Fp8Linear per linear); the other tensors in `dtype`."""
@@ -54,7 +57,7 @@ def save_quantized(model, source: Path, out: Path, quantization_config: dict,
         for ckpt, rows in checkpoint_shards(model, pname):
             t = p.data if rows is None else p.data[rows[0]:rows[1]]
             tensors[ckpt] = t.to(dtype).contiguous()
-    pack = to_gptq if layout == "gptq" else to_awq
+    pack = PACKERS.get(layout)   # None for fp8, whose modules write themselves
     for name, w in (weights or {}).items():
         for ckpt, rows in checkpoint_shards(model, name):
             for key, t in pack(w if rows is None else w.rows(*rows)).items():
@@ -70,6 +73,7 @@ def save_quantized(model, source: Path, out: Path, quantization_config: dict,
     save_file({k: v.cpu().clone() for k, v in sorted(tensors.items())}, str(out / "model.safetensors"),
               metadata={"format": "pt"})
     raw["quantization_config"] = quantization_config
+    raw["tie_word_embeddings"] = model.config.tie_word_embeddings   # a rotation unties the head
     raw["dtype"] = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}[dtype]
     raw.pop("torch_dtype", None)
     (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
@@ -83,12 +87,12 @@ def save_quantized(model, source: Path, out: Path, quantization_config: dict,
             shutil.copy(source / f, out / f)
 
 
-def linear_bytes(model, weights: dict[str, QuantizedWeight] | None = None, layout: str = "gptq",
+def linear_bytes(model, weights: dict[str, QuantizedWeight | NF4Weight] | None = None, layout: str = "gptq",
                  fp8_modules: dict | None = None) -> tuple[int, int]:
     """(bytes of the stored linear weights, bytes the same weights take in fp16), as written:
     packed integers, scales, zeros and g_idx, or fp8 weights and their scales."""
     stored = fp16 = 0
-    pack = to_gptq if layout == "gptq" else to_awq
+    pack = PACKERS.get(layout)
     for name in model.quantizable_linears():
         w = model.get_submodule(name).weight
         fp16 += w.numel() * 2

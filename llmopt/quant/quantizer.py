@@ -11,7 +11,13 @@ zero_point, version="GEMM", duo_scaling and apply_clip (AutoAWQ's defaults: both
 - "gptq": GPTQ with calibration, block by block (llmopt.quant.gptq);
 - "awq": activation-aware scaling and clipping, then rounding (llmopt.quant.awq);
 - "fp8": float8 e4m3 weights with per-output-channel scales (no calibration; activations
-  are quantized per token at run time).
+  are quantized per token at run time);
+- "nf4": QLoRA's 4-bit NormalFloat in blocks of `group_size` (64), `double_quant` (default on)
+  for the absmax constants, written in the bitsandbytes layout (llmopt.layers.nf4_format).
+
+`rotation="hadamard"` (any method) first folds the norms into the linears and rotates the
+residual stream and each head's values by Hadamard matrices (llmopt.quant.rotation); the model
+computes the same function, its outliers spread out, and a tied head is untied.
 
 Integer weights are written in the GPTQ v1 layout (format="gptq", any of 2/3/4/8 bits) or
 the AWQ GEMM layout (format="awq", 4-bit); by default GPTQ and RTN write GPTQ's, AWQ AWQ's.
@@ -26,9 +32,10 @@ from pathlib import Path
 
 import torch
 
-from llmopt.quant.formats import AWQ_BITS, GPTQ_BITS, QuantizedWeight
+from llmopt.layers.quant_formats import AWQ_BITS, GPTQ_BITS, QuantizedWeight
+from llmopt.quant.rotation import ROTATIONS
 
-METHODS = ("rtn", "gptq", "awq", "fp8")
+METHODS = ("rtn", "gptq", "awq", "fp8", "nf4")
 FORMATS = ("gptq", "awq")
 GPTQ_KNOBS = ("desc_act", "damp_percent", "static_groups", "true_sequential")
 AWQ_KNOBS = ("zero_point", "version", "duo_scaling", "apply_clip")
@@ -57,8 +64,9 @@ def quantize(model="tiny", method: str = "gptq", bits: int | None = None, group_
              sym: bool | None = None, desc_act: bool | None = None, damp_percent: float | None = None,
              static_groups: bool | None = None, true_sequential: bool | None = None,
              zero_point: bool | None = None, version: str | None = None, duo_scaling: bool | None = None,
-             apply_clip: bool | None = None, format: str | None = None,
-             block_size: int = 128, device: str = "cpu", progress: bool = True) -> QuantizeResult:
+             apply_clip: bool | None = None, format: str | None = None, rotation: str | None = None,
+             double_quant: bool | None = None, block_size: int = 128, device: str = "cpu",
+             progress: bool = True) -> QuantizeResult:
     """Quantize a bundled model name or Hugging Face folder and write the checkpoint to `out`."""
     from llmopt.model.config import ModelConfig
     from llmopt.model.registry import resolve_model
@@ -73,6 +81,10 @@ def quantize(model="tiny", method: str = "gptq", bits: int | None = None, group_
         for knob in knobs:
             if given[knob] is not None and method != owner:
                 raise ValueError(f"{knob} is an option of method={owner!r}; method={method!r} does not take it")
+    if rotation is not None and rotation not in ROTATIONS:
+        raise ValueError(f"rotation must be None or one of {', '.join(ROTATIONS)}, got {rotation!r}")
+    if double_quant is not None and method != "nf4":
+        raise ValueError(f"double_quant is an option of method='nf4'; method={method!r} does not take it")
     if method == "awq" and sym is not None:
         raise ValueError("AWQ spells symmetric quantization zero_point=False (sym is GPTQ's name)")
     if method == "fp8":
@@ -80,6 +92,14 @@ def quantize(model="tiny", method: str = "gptq", bits: int | None = None, group_
             raise ValueError("method='fp8' stores e4m3 weights with one scale per output channel; "
                              "it takes no bits (other than 8), group_size, sym or format")
         bits, group_size, layout = 8, -1, "fp8"
+    elif method == "nf4":
+        if bits not in (None, 4) or sym is not None or format is not None:
+            raise ValueError("method='nf4' stores 4-bit NormalFloat codes in the bitsandbytes layout; "
+                             "it takes no bits (other than 4), sym or format")
+        group_size = 64 if group_size is None else group_size   # bitsandbytes' block size
+        if isinstance(group_size, bool) or not isinstance(group_size, Integral) or group_size < 2:
+            raise ValueError(f"group_size (NF4's block size) must be an integer >= 2, got {group_size!r}")
+        bits, layout = 4, "bitsandbytes"
     else:
         bits = 4 if bits is None else bits
         group_size = 128 if group_size is None else group_size
@@ -96,7 +116,7 @@ def quantize(model="tiny", method: str = "gptq", bits: int | None = None, group_
                              f"integer, got {group_size!r}")
         if layout == "awq" and desc_act:
             raise ValueError("act-order (desc_act=True) needs g_idx, which the AWQ layout lacks; use format='gptq'")
-    if method in ("rtn", "fp8") and calibration is not None:
+    if method in ("rtn", "fp8", "nf4") and calibration is not None:
         raise ValueError(f"method={method!r} uses no calibration data; pass calibration only to gptq or awq")
     for name, value, lo in (("num_samples", num_samples, 1), ("seq_len", seq_len, 2), ("block_size", block_size, 1)):
         if isinstance(value, bool) or not isinstance(value, Integral) or value < lo:
@@ -127,7 +147,7 @@ def quantize(model="tiny", method: str = "gptq", bits: int | None = None, group_
         if group_size != -1 and k % group_size:
             raise ValueError(f"group_size={group_size} does not divide the in_features of {where} ({k}); "
                              f"pick a divisor of {k} or -1")
-        if layout != "fp8" and (k * bits) % 32:
+        if layout not in ("fp8", "bitsandbytes") and (k * bits) % 32:
             raise ValueError(f"{bits}-bit weights of {where} ({k} inputs) do not fill whole int32 words")
 
     # -- calibration, model, algorithm -------------------------------------------------------------------
@@ -142,6 +162,11 @@ def quantize(model="tiny", method: str = "gptq", bits: int | None = None, group_
     qcfg = dict(bits=bits, group_size=group_size, sym=sym_, min_zero=1 if layout == "gptq" and not sym_ else 0)
     t0 = time.perf_counter()
     details: dict = {}
+    rotated = None
+    if rotation is not None:
+        from llmopt.quant.rotation import rotate_model
+
+        rotated = rotate_model(net)   # the same function, its outliers spread out; then quantized
     weights = fp8_modules = None
     if method == "rtn":
         from llmopt.quant.rtn import rtn_quantize
@@ -153,6 +178,12 @@ def quantize(model="tiny", method: str = "gptq", bits: int | None = None, group_
                            static_groups=bool(static_groups),
                            true_sequential=True if true_sequential is None else bool(true_sequential),
                            block_size=block_size, progress=progress)
+    elif method == "nf4":
+        from llmopt.layers.nf4_format import NF4Weight
+
+        dq = True if double_quant is None else bool(double_quant)
+        weights = {name: NF4Weight.quantize(net.get_submodule(name).weight.data, group_size, dq)
+                   for name in _bar(list(net.quantizable_linears()), progress, "nf4")}
     elif method == "awq":
         weights, details = run_awq(net, windows, qcfg, duo_scaling=duo_scaling is not False,
                                    apply_clip=apply_clip is not False, progress=progress)
@@ -168,7 +199,10 @@ def quantize(model="tiny", method: str = "gptq", bits: int | None = None, group_
 
     config = quantization_config(method, bits, group_size, sym_, layout, damp=damp, desc_act=bool(desc_act),
                                  static_groups=bool(static_groups),
-                                 true_sequential=True if true_sequential is None else bool(true_sequential))
+                                 true_sequential=True if true_sequential is None else bool(true_sequential),
+                                 double_quant=double_quant is not False)
+    if rotated is not None:
+        config["meta"].update(rotated)   # folded into the weights: the loader needs nothing of it
     save_quantized(net, folder, out, config, weights, layout, fp8_modules)
     stored, fp16 = linear_bytes(net, weights, layout, fp8_modules)
     return QuantizeResult(out, method, bits, group_size, layout, seconds, stored, fp16,
@@ -176,9 +210,15 @@ def quantize(model="tiny", method: str = "gptq", bits: int | None = None, group_
 
 
 def quantization_config(method, bits, group_size, sym, layout, damp=0.01, desc_act=False,
-                        static_groups=False, true_sequential=True) -> dict:
-    """config.json's quantization_config, with the fields AutoGPTQ / AutoAWQ / vLLM read."""
+                        static_groups=False, true_sequential=True, double_quant=True) -> dict:
+    """config.json's quantization_config, with the fields AutoGPTQ / AutoAWQ / vLLM /
+    transformers' bitsandbytes integration read."""
     meta = {"quantizer": ["llmopt:0.1.0"], "method": method}
+    if layout == "bitsandbytes":
+        return {"quant_method": "bitsandbytes", "load_in_4bit": True, "load_in_8bit": False,
+                "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": double_quant,
+                "bnb_4bit_compute_dtype": "bfloat16", "bnb_4bit_quant_storage": "uint8",
+                "llm_int8_skip_modules": None, "meta": meta}
     if layout == "fp8":
         return {"quant_method": "fp8", "activation_scheme": "dynamic", "ignored_layers": [], "meta": meta}
     if layout == "awq":

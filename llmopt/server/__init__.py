@@ -1,4 +1,5 @@
-"""An OpenAI-compatible HTTP server on the engine: `llmopt serve`.
+"""An OpenAI-compatible HTTP server on the engine: `llmopt serve`. (Its clients: the load generator,
+the resilient client and the soak live in llmopt.bench: load.py, resilient_client.py, soak.py.)
 
     protocol.py      OpenAI's request fields, checked one by one; responses and stream chunks
     openapi.py       the same requests as JSON Schema, served in /openapi.json
@@ -9,8 +10,6 @@
     security.py      the API key on /v1 routes, CORS (nothing cross-origin unless allowed)
     admission.py     overload and deadlines: a bounded waiting queue (503 + Retry-After), a deadline per request
     lifecycle.py     loading -> ready -> draining, as /health reports it to a load balancer
-    load.py          a load generator: Poisson arrivals, streaming clients, TTFT / TPOT / throughput,
-                     503s retried after their Retry-After
     process.py       `llmopt serve` as a child process (tests, benchmarks, lessons)
     nginx.py         deploy/nginx.conf rendered for loopback replicas, nginx as a child process
 """

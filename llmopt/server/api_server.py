@@ -48,6 +48,7 @@ from llmopt.server.protocol import (APIError, ParsedRequest, chat_chunk, chat_re
                                     completion_response, new_id, parse_chat, parse_completion, usage,
                                     usage_chunk)
 from llmopt.server.security import Security
+from llmopt.server.structured_fields import compile_for_request
 
 MAX_REQUEST_BYTES = 1 << 20  # 1 MiB of JSON is far more than any prompt max_model_len allows
 
@@ -169,10 +170,14 @@ async def _serve_request(llm: AsyncLLM, request: Request, chat: bool, max_bytes:
         msg = str(e)
         if msg.startswith("prompt"):
             param, msg = ("messages" if chat else "prompt"), msg.replace("prompt 0", "the prompt", 1)
+        elif "structured_outputs" in msg:
+            param, msg = req.structured_field, msg.replace("request 0", "the request", 1)
         else:
             param = "stop_token_ids" if "stop_token_ids" in msg else req.max_tokens_param
             msg = msg.replace("request 0", "the request", 1)
         raise APIError(msg, param=param) from None
+    # a grammar compiles in a worker thread; one that does not compile is a 400 before admission
+    await compile_for_request(llm.engine, req.params, req.structured_field, lambda m, p: APIError(m, param=p))
     if not (llm.accepting and llm.healthy):
         llm.metrics.rejected("unavailable")
         raise APIError("the server is shutting down or its engine has stopped; retry elsewhere",
@@ -381,7 +386,7 @@ def serve(engine_kwargs: dict, host: str = "127.0.0.1", port: int = 8000, served
         print(f"llmopt serve: warning: listening on {host} without --api-key: whoever reaches this port "
               "can use the model", flush=True)
     server = None
-    replica = Replica(load, on_failure=lambda: server.load_failed())
+    replica = Replica(load, on_failure=lambda: server.load_failed(), max_request_bytes=max_request_bytes)
     config = uvicorn.Config(replica, host=host, port=port, log_level="info", access_log=False,
                             timeout_graceful_shutdown=shutdown_timeout + CANCEL_GRACE_S)
     server = _GracefulServer(config, replica, shutdown_timeout)

@@ -26,7 +26,7 @@ import time
 from collections.abc import AsyncIterator
 
 from llmopt.config import EngineConfig
-from llmopt.engine.llm_engine import LLMEngine
+from llmopt.engine.llm_engine import LLMEngine, ProcessedPrompt
 from llmopt.outputs import RequestOutput
 from llmopt.sampling_params import SamplingParams
 from llmopt.server.admission import AdmissionControl, DeadlineExceeded, remaining
@@ -172,9 +172,10 @@ class AsyncLLM:
                     self._engine_waiting += len(new)  # they join the engine's waiting queue next
                 for rid, text, ids, params, priority, arrival in new:
                     try:
-                        engine.add_request(rid, {"prompt_token_ids": ids, "prompt": text}, params,
-                                           arrival_time=arrival, priority=priority)
-                    except Exception as e:  # checked before already; one bad request must not stop the loop
+                        # checked by `check` on arrival: admitted as it is, not checked again
+                        engine.add_request(rid, ProcessedPrompt(text, ids, params), arrival_time=arrival,
+                                           priority=priority)
+                    except Exception as e:  # one bad request must not stop the loop
                         self._deliver(rid, e)
                 for rid in aborts:
                     self._abort_now(rid)

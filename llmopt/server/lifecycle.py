@@ -26,10 +26,13 @@ from llmopt.server.async_engine import AsyncLLM
 
 
 class Replica:
-    def __init__(self, load: Callable[[], tuple[AsyncLLM, object]], on_failure: Callable[[], None]):
+    def __init__(self, load: Callable[[], tuple[AsyncLLM, object]], on_failure: Callable[[], None],
+                 max_request_bytes: int = 1 << 20):
         """`load()` builds the engine and the app (it runs in a thread, off the event loop);
-        `on_failure()` is called if it raises, after the error is printed (to stop the server)."""
+        `on_failure()` is called if it raises, after the error is printed (to stop the server).
+        `max_request_bytes` bounds the body read while not ready (see _not_ready)."""
         self._load, self._on_failure = load, on_failure
+        self.max_request_bytes = max_request_bytes
         self.llm: AsyncLLM | None = None
         self.app = None
         self.state = "loading"           # loading | ready | draining | failed
@@ -75,7 +78,7 @@ class Replica:
         elif self.app is not None:
             await self.app(scope, receive, send)
         elif scope["type"] == "http":
-            await self._not_ready(scope, send)
+            await self._not_ready(scope, receive, send)
 
     async def _lifespan(self, receive, send) -> None:
         while True:
@@ -89,16 +92,50 @@ class Replica:
                 await send({"type": "lifespan.shutdown.complete"})
                 return
 
-    async def _not_ready(self, scope, send) -> None:
+    async def _not_ready(self, scope, receive, send) -> None:
         if scope["path"] == "/health":
             status, body = 503, {"status": self.state}
         else:
-            status = 503
-            why = "its model is loading" if self.state == "loading" else "it is stopping"
-            body = {"error": {"message": f"the server is not ready: {why}; retry shortly or on another replica",
-                              "type": "service_unavailable", "param": None, "code": None}}
+            # Bad input is answered as such in every state: a body that is too large or not JSON
+            # would be refused by a ready replica too, so "retry elsewhere" would only send it
+            # round the load balancer to get the same 413/400 later (or, if every replica is
+            # loading or marked down, never). Only a well-formed request is told to retry.
+            status, why = await self._check_body(scope, receive)
+            if status == 503:
+                why = "the server is not ready: " + ("its model is loading" if self.state == "loading"
+                                                     else "it is stopping") + "; retry shortly or on another replica"
+            kind = "service_unavailable" if status == 503 else "invalid_request_error"
+            body = {"error": {"message": why, "type": kind, "param": None, "code": None}}
         data = json.dumps(body).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
         await send({"type": "http.response.start", "status": status,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()),
-                                (b"retry-after", b"1")]})
+                    "headers": headers + ([(b"retry-after", b"1")] if status == 503 else [])})
         await send({"type": "http.response.body", "body": data})
+
+    async def _check_body(self, scope, receive) -> tuple[int, str]:
+        """413 or 400 with the reason for a JSON body that is too large or malformed; 503 else.
+        Only `application/json` bodies are read (api_server._read_json says why)."""
+        headers = dict(scope.get("headers") or [])
+        media_type = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
+        if scope.get("method") != "POST" or media_type != b"application/json":
+            return 503, ""
+        too_big = (413, f"the request body is larger than {self.max_request_bytes:,} bytes")
+        declared = headers.get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.max_request_bytes:
+            return too_big
+        body, more = bytearray(), True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":
+                return 503, ""  # the client left
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+            if len(body) > self.max_request_bytes:
+                return too_big
+        try:
+            json.loads(body)
+        except ValueError as e:
+            return 400, f"the request body is not valid JSON ({e})"
+        except RecursionError:
+            return 400, "the request body nests too deeply to parse"
+        return 503, ""

@@ -22,6 +22,7 @@ from numbers import Integral, Real
 from llmopt.chat import MessageError, check_messages
 from llmopt.engine.request_checks import check_text
 from llmopt.sampling_params import MAX_TEMPERATURE, SamplingParams
+from llmopt.server.structured_fields import structured_from_body, with_structured
 
 MAX_STOP = 4          # stop strings per request, as OpenAI allows
 MAX_STOP_CHARS = 64   # a stream holds back len(stop) - 1 characters until it knows they are no stop
@@ -58,6 +59,7 @@ class ParsedRequest:
     include_usage: bool
     priority: int
     max_tokens_param: str = "max_tokens"  # chat may say max_completion_tokens
+    structured_field: str | None = None   # response_format or structured_outputs, if constrained
 
     @property
     def is_chat(self) -> bool:
@@ -70,8 +72,9 @@ SAMPLING_FIELDS = {"max_tokens", "temperature", "top_p", "n", "stop", "seed", "s
                    # vLLM's extras
                    "top_k", "min_p", "min_tokens", "ignore_eos", "stop_token_ids", "priority",
                    "skip_special_tokens", "include_stop_str_in_output"}
-COMPLETION_FIELDS = SAMPLING_FIELDS | {"model", "prompt", "echo", "suffix", "best_of"}
-CHAT_FIELDS = SAMPLING_FIELDS | {"model", "messages", "max_completion_tokens", "top_logprobs"}
+COMPLETION_FIELDS = SAMPLING_FIELDS | {"model", "prompt", "echo", "suffix", "best_of", "structured_outputs"}
+CHAT_FIELDS = SAMPLING_FIELDS | {"model", "messages", "max_completion_tokens", "top_logprobs",
+                                 "response_format", "structured_outputs"}
 
 
 def _is_int(v) -> bool:
@@ -220,7 +223,8 @@ def parse_completion(body, served_model: str) -> ParsedRequest:
         raise APIError(f"'prompt' must be a non-empty string or a non-empty list of token ids; got "
                        f"{type(prompt).__name__}", param="prompt")
     params, stream, include_usage, priority = _sampling(body)
-    return ParsedRequest(model, prompt, None, params, stream, include_usage, priority)
+    params, field = _structured(body, params, chat=False)
+    return ParsedRequest(model, prompt, None, params, stream, include_usage, priority, structured_field=field)
 
 
 def parse_chat(body, served_model: str) -> ParsedRequest:
@@ -241,7 +245,17 @@ def parse_chat(body, served_model: str) -> ParsedRequest:
     field = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
     # As in vLLM: without a limit a chat reply may run to the end of the context.
     params, stream, include_usage, priority = _sampling(body, field, default_max_tokens=None)
-    return ParsedRequest(model, None, plain, params, stream, include_usage, priority, field)
+    params, constrained = _structured(body, params, chat=True)
+    return ParsedRequest(model, None, plain, params, stream, include_usage, priority, field, constrained)
+
+
+def _structured(body: dict, params: SamplingParams, chat: bool) -> tuple[SamplingParams, str | None]:
+    """response_format / structured_outputs into the SamplingParams (see structured_fields.py)."""
+    so, field = structured_from_body(body, chat, lambda message, param: APIError(message, param=param))
+    try:
+        return with_structured(params, so), field
+    except (ValueError, TypeError) as e:
+        raise APIError(str(e), param=field) from None
 
 
 # -- responses ---------------------------------------------------------------------------------------

@@ -18,6 +18,10 @@ The features are the target's final hidden states after its last norm (what the 
 forward returns), so the head's output lives in the space the lm_head reads. The head
 shares the target's embedding and lm_head and has its own one-layer paged KV cache.
 Checkpoint names follow the EAGLE release layout: `fc.*`, `layers.0.*`, plus `norm.weight`.
+
+A head may also ship `draft_vocab.json`, the target token ids it drafts from (EAGLE-3's
+reduced draft vocabulary): on a large vocabulary the lm_head is most of a draft step's
+cost, and the few thousand tokens a model actually writes carry nearly all of its choices.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ class EagleHead(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings,
                                           cfg.rope_theta, cfg.rope_scaling)
+        self.draft_vocab: torch.Tensor | None = None  # token ids it drafts from (None: all)
 
     def forward(self, token_embeds: torch.Tensor, prev_features: torch.Tensor,
                 positions: torch.Tensor, kv_cache) -> torch.Tensor:
@@ -95,4 +100,10 @@ def load_eagle_head(folder: str | Path, target: ModelConfig, dtype=torch.float32
     head.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings,
                                       cfg.rope_theta, cfg.rope_scaling).to(device)
     load_weights(head, iter_checkpoint(safetensors_files(folder)), source=str(folder))
+    vocab = folder / "draft_vocab.json"
+    if vocab.is_file():
+        ids = json.loads(vocab.read_text())
+        if not ids or not all(isinstance(t, int) and 0 <= t < target.vocab_size for t in ids):
+            raise ValueError(f"{vocab}: must list token ids in 0..{target.vocab_size - 1}")
+        head.draft_vocab = torch.tensor(sorted(set(ids)), device=device)
     return head.eval()

@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import torch
 
-from llmopt.engine.model_runner import build_paged_batch
-from llmopt.engine.sequence import Sequence
+from llmopt.layers.attention import AttentionMetadata
 from llmopt.layers.sampler import sampling_probs
+from llmopt.sequence import Sequence
 
 
 class LayerSkipProposer:
@@ -34,6 +34,9 @@ class LayerSkipProposer:
     def __init__(self, target, exit_layer: int, device):
         self.target, self.exit_layer, self.device = target, exit_layer, device
         self.kv_cache = None  # the target's pool, handed over by the first observe()
+
+    def lookahead_slots(self, k: int) -> int:
+        return k
 
     def bytes_per_block(self, block_size: int) -> int:
         return 0  # no pool of its own
@@ -46,6 +49,9 @@ class LayerSkipProposer:
 
     def forget(self, request_id: str) -> None:
         pass
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        pass  # its KV lives in the target's pool, copied already
 
     def _draft_logits(self, ids: torch.Tensor, positions: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
         """The first exit_layer layers, then the target's final norm and head."""
@@ -66,10 +72,11 @@ class LayerSkipProposer:
         qs: list[list[torch.Tensor]] = [[] for _ in seqs]
         active = list(range(len(seqs)))
         while active:
-            positions, batch = build_paged_batch([tables[i] for i in active], [starts[i] for i in active],
-                                                 [1] * len(active), bs, self.device)
+            meta = AttentionMetadata.paged([tables[i] for i in active], [starts[i] for i in active],
+                                           [1] * len(active), bs, self.device)
             ids = torch.tensor([feeds[i][0] for i in active], device=self.device)
-            self.kv_cache.begin_step(batch)
+            self.kv_cache.begin_step(meta)
+            positions = meta.positions
             logits = self._draft_logits(ids, positions, torch.arange(len(active), device=self.device))
             for row, i in enumerate(active):
                 seq = seqs[i]

@@ -5,7 +5,8 @@ Three kinds, chosen by `speculative_config["method"]` as in vLLM:
 - `NgramProposer`: prompt lookup, no model; its guesses are one-hot.
 - `DraftModelProposer`: a small model with the target's tokenizer runs k cheap
   autoregressive steps.
-- `EagleProposer`: a one-layer head over the target's own features (llmopt/spec/eagle.py).
+- `EagleProposer`: a one-layer head over the target's own features (llmopt/spec/eagle.py);
+  with `speculative_config["tree"]`, `EagleTreeProposer` drafts EAGLE-2 trees (spec/tree.py).
 
 The two model proposers keep KV caches of their own, but not block tables of their own:
 their pools have as many blocks as the target's and use the *target's* block tables and
@@ -21,11 +22,12 @@ from __future__ import annotations
 
 import torch
 
-from llmopt.engine.kv_cache import PagedKVCache
-from llmopt.engine.model_runner import build_paged_batch, slots_of
-from llmopt.engine.sequence import Sequence
+from llmopt.layers.attention import AttentionMetadata, slots_of
 from llmopt.layers.sampler import sampling_probs
+from llmopt.sequence import Sequence
 from llmopt.spec.ngram import propose_ngram
+from llmopt.spec.tree import check_tree_config, draft_trees, max_tree_nodes
+from llmopt.worker.kv_cache import PagedKVCache
 
 Proposal = tuple[list[int], "torch.Tensor | None"]  # draft tokens, their q [k, V] (None = one-hot)
 
@@ -52,6 +54,9 @@ class NgramProposer:
     def forget(self, request_id: str) -> None:
         pass
 
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        pass
+
 
 class _ModelProposer:
     """Catch up on the tokens this proposer has not seen, then k autoregressive steps."""
@@ -61,6 +66,10 @@ class _ModelProposer:
     def __init__(self, cfg, num_layers: int, dtype: torch.dtype, device):
         self.cfg, self.num_layers, self.dtype, self.device = cfg, num_layers, dtype, device
         self.fed: dict[str, tuple[int, list[int]]] = {}  # request -> (preemptions seen, tokens in KV)
+
+    def lookahead_slots(self, k: int) -> int:
+        """Slots to allocate after the last token before proposing k drafts: one per draft."""
+        return k
 
     def bytes_per_block(self, block_size: int) -> int:
         c = self.cfg
@@ -75,6 +84,10 @@ class _ModelProposer:
 
     def forget(self, request_id: str) -> None:
         self.fed.pop(request_id, None)
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """The radix cache copied these blocks in the target's pool: the same here."""
+        self.kv_cache.copy_blocks(pairs)
 
     def _valid(self, seq: Sequence) -> int:
         """How many leading tokens of `seq` this proposer's KV still holds correctly."""
@@ -99,10 +112,11 @@ class _ModelProposer:
         prev = None  # the head's own features from the previous round (EAGLE)
         while active:
             # round 1 feeds each sequence's unseen tokens; later rounds one draft token each
-            positions, batch = build_paged_batch([tables[i] for i in active], [starts[i] for i in active],
-                                                 [len(feeds[i]) for i in active], bs, self.device)
+            meta = AttentionMetadata.paged([tables[i] for i in active], [starts[i] for i in active],
+                                           [len(feeds[i]) for i in active], bs, self.device)
             ids = torch.tensor([t for i in active for t in feeds[i]], device=self.device)
-            self.kv_cache.begin_step(batch)
+            self.kv_cache.begin_step(meta)
+            positions = meta.positions
             last = torch.cumsum(torch.tensor([len(feeds[i]) for i in active], device=self.device), 0) - 1
             logits, prev = self._forward(ids, positions, [seqs[i] for i in active], starts, active, prev, last)
             for row, i in enumerate(active):
@@ -155,6 +169,19 @@ class EagleProposer(_ModelProposer):
     def __init__(self, head, target, dtype, device):
         super().__init__(head.config, 1, dtype, device)
         self.head, self.target = head, target
+        # a reduced draft vocabulary (spec/eagle.py): only its rows of the lm_head are read
+        weight = getattr(target.lm_head, "weight", None)
+        self.draft_weight = None
+        if head.draft_vocab is not None and isinstance(weight, torch.Tensor):
+            self.draft_weight = weight[head.draft_vocab].contiguous()
+
+    def draft_logits(self, feats: torch.Tensor) -> torch.Tensor:
+        """The head's next-token logits over the full vocabulary (-inf outside its draft vocabulary)."""
+        if self.draft_weight is None:
+            return self.target.compute_logits(feats)
+        out = torch.full((feats.shape[0], self.cfg.vocab_size), float("-inf"), device=feats.device)
+        out[:, self.head.draft_vocab] = torch.nn.functional.linear(feats, self.draft_weight).float()
+        return out
 
     def bytes_per_block(self, block_size: int) -> int:
         feature = block_size * self.cfg.hidden_size * torch.empty((), dtype=self.dtype).element_size()
@@ -165,9 +192,16 @@ class EagleProposer(_ModelProposer):
         self.features = torch.zeros(num_blocks * block_manager.block_size, self.cfg.hidden_size,
                                     dtype=self.dtype, device=self.device)
 
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        super().copy_blocks(pairs)
+        bs = self.bm.block_size
+        rows = self.features.view(-1, bs, self.features.shape[-1])
+        dev = self.features.device
+        rows[torch.tensor([d for _, d in pairs], device=dev)] = rows[torch.tensor([s for s, _ in pairs], device=dev)]
+
     def observe(self, runner) -> None:
         """After a target forward: keep the features of every token it computed."""
-        self.features[runner.last_batch.slot_mapping] = runner.last_hidden.to(self.dtype)
+        self.features[runner.last_meta.slot_mapping] = runner.last_hidden.to(self.dtype)
 
     def _forward(self, ids, positions, seqs, starts, active, prev, last):
         if prev is None:  # catch-up: true features of positions p-1, from their slots
@@ -184,10 +218,49 @@ class EagleProposer(_ModelProposer):
             prev_features = prev
         embeds = self.target.model.embed_tokens(ids)
         feats = self.head(embeds, prev_features, positions, self.kv_cache)[last]
-        return self.target.compute_logits(feats), feats
+        return self.draft_logits(feats), feats
 
     def _fed_after(self, seq: Sequence, drafts: list[int]) -> list[int]:
         return list(seq.token_ids)  # draft positions saw predicted features: recompute them
+
+
+class EagleTreeProposer(EagleProposer):
+    """EAGLE-2: the same head drafts a tree per sequence (llmopt/spec/tree.py), verified in one
+    target forward under a tree mask. Sequences whose logits rows are post-processed per
+    position (a grammar, min_tokens not yet reached) decode plainly instead."""
+
+    def __init__(self, head, target, dtype, device, depth: int, top_k: int, total_tokens: int):
+        super().__init__(head, target, dtype, device)
+        self.depth, self.top_k, self.total_tokens = depth, top_k, total_tokens
+
+    def budget(self, depth: int) -> int:
+        return min(self.total_tokens, max_tree_nodes(self.top_k, depth))
+
+    def lookahead_slots(self, k: int) -> int:
+        """The target verifies budget(k) nodes there; the head drafts top_k per depth there first."""
+        return max(self.budget(k), self.top_k * (k - 1))
+
+    def observe(self, runner) -> None:
+        super().observe(runner)
+        src, dst = getattr(runner, "last_slot_moves", ([], []))
+        if src:  # the accepted paths' features follow their KV into place
+            dev = self.features.device
+            self.features[torch.tensor(dst, device=dev)] = self.features[torch.tensor(src, device=dev)]
+
+    @torch.inference_mode()
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
+        """Sets each sequence's spec_tree (None where it decodes plainly); the engine then
+        sets spec_token_ids to the returned drafts, the tree's tokens in flat order."""
+        picked = [i for i, s in enumerate(seqs) if s.grammar is None and s.params.min_tokens <= len(s.output_token_ids)]
+        out: list[Proposal] = [([], None)] * len(seqs)
+        trees = draft_trees(self, [seqs[i] for i in picked], [ks[i] for i in picked], self.top_k,
+                            [self.budget(ks[i]) for i in picked]) if picked else []
+        for s in seqs:
+            s.spec_tree = None
+        for i, tree in zip(picked, trees):
+            seqs[i].spec_tree = tree
+            out[i] = (tree.tokens, None)
+        return out
 
 
 def make_proposer(sc: dict | None, model, model_config, model_path, dtype: torch.dtype, device: torch.device):
@@ -217,8 +290,14 @@ def make_proposer(sc: dict | None, model, model_config, model_path, dtype: torch
     if sc["method"] == "eagle":
         from llmopt.spec.eagle import load_eagle_head
 
+        tree = None if sc.get("tree") is None else check_tree_config(sc["tree"], sc["num_speculative_tokens"])
+        if tree is not None and any(w is not None for w in model_config.sliding_windows):
+            raise ValueError("speculative_config['tree'] needs full attention in every layer; this model "
+                             "has sliding-window layers (use a chain: leave out 'tree')")
         head = load_eagle_head(path, model_config, dtype, device)
-        return EagleProposer(head, model, dtype, device)
+        if tree is None:
+            return EagleProposer(head, model, dtype, device)
+        return EagleTreeProposer(head, model, dtype, device, sc["num_speculative_tokens"], **tree)
     draft_cfg = ModelConfig.from_pretrained(path)
     if draft_cfg.vocab_size != model_config.vocab_size:
         raise ValueError(f"draft model {path} has vocab_size {draft_cfg.vocab_size}, the target "

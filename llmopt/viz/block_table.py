@@ -26,7 +26,7 @@ def pool_state(block_manager) -> dict:
     """A snapshot of the pool the trace does not hold: each block's ref count, the blocks
     whose contents are registered in the prefix cache, and the free queue in eviction order."""
     return {"ref_cnt": list(block_manager.ref_cnt),
-            "cached": [b for b, h in enumerate(block_manager.block_hash) if h is not None],
+            "cached": block_manager.cached_block_ids(),
             "free_queue": list(block_manager.free_queue)}
 
 

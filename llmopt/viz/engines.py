@@ -12,9 +12,10 @@ from pathlib import Path
 import ipywidgets as widgets
 import plotly.graph_objects as go
 
+from llmopt.viz.notebook import RESULTS as COMMITTED
 from llmopt.viz.notebook import LessonWidget, show_outputs
 
-RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "llamacpp.json"
+RESULTS = COMMITTED / "llamacpp.json"
 
 ENGINES = [
     {"engine": "vLLM", "runs on": "GPUs (CUDA, ROCm, TPU)", "optimizes": "throughput of many requests",

@@ -14,9 +14,11 @@ import ipywidgets as widgets
 import plotly.graph_objects as go
 import torch
 
-from llmopt.engine.kv_cache import NoKVCache
-from llmopt.fp8 import E4M3, E5M2, dequantize_fp8, fp8_format, fp8_neighbours, fp8_values, quantize_fp8
+from llmopt.fp8 import E4M3, E5M2, dequantize_fp8, fp8_neighbours, fp8_values, quantize_fp8
+from llmopt.layers.attention import AttentionMetadata
+from llmopt.model.forward import run_model
 from llmopt.viz.notebook import LABEL_STYLE, LessonWidget, format_table, show_outputs
+from llmopt.worker.kv_cache import NoKVCache
 
 FORMATS = {"e4m3": E4M3, "e5m2": E5M2}
 COLORS = {"e4m3": "#1f77b4", "e5m2": "#d62728", "float16": "#7f7f7f", "bfloat16": "#2ca02c"}
@@ -149,15 +151,14 @@ def fp8_value_widget(value: float = 300.0, name: str = "e4m3") -> LessonWidget:
 # ---- a scale on real keys and values -------------------------------------------------------------------
 
 class _KVRecorder(NoKVCache):
-    """Attends like NoKVCache and keeps one layer's keys and values (after RoPE)."""
+    """Keeps one layer's keys and values (after RoPE), and nothing else, as NoKVCache."""
 
     def __init__(self, layer: int):
         self.layer, self.k, self.v = layer, None, None
 
-    def attend(self, layer, q, k, v, scale, window=None):
+    def store(self, layer, k, v):
         if layer == self.layer:
             self.k, self.v = k.detach().clone(), v.detach().clone()
-        return super().attend(layer, q, k, v, scale, window)
 
 
 @torch.inference_mode()
@@ -165,8 +166,7 @@ def capture_kv(model, token_ids: list[int], layer: int) -> tuple[torch.Tensor, t
     """The keys and values one layer writes to its cache for a sequence: [tokens, kv heads, head dim]."""
     device = next(model.parameters()).device
     rec = _KVRecorder(layer)
-    rec.begin_step([len(token_ids)])
-    model(torch.tensor(token_ids, device=device), torch.arange(len(token_ids), device=device), rec)
+    run_model(model, rec, torch.tensor(token_ids, device=device), AttentionMetadata.uncached([len(token_ids)], device))
     return rec.k.float().cpu(), rec.v.float().cpu()
 
 
@@ -282,7 +282,3 @@ def this_machine() -> str:
     native = native_fp8_supported("cuda")
     return (f"this machine: {torch.cuda.get_device_name()}, compute capability {cc[0]}.{cc[1]}: "
             f"{'FP8 tensor cores' if native else 'no FP8 tensor cores (storage only)'}")
-
-
-def format_name(dtype: torch.dtype) -> str:
-    return fp8_format(dtype).name

@@ -15,7 +15,7 @@ import ipywidgets as widgets
 import plotly.graph_objects as go
 import torch
 
-from llmopt.kv_memory import KVSpec
+from llmopt.kv_bytes import KVSpec
 from llmopt.viz.notebook import LessonWidget, format_table, show_outputs
 
 SIZE = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, intermediate_size=512,

@@ -1,4 +1,4 @@
-"""The KV memory calculator: sliders for a model's KV shape, batch and length, numbers from llmopt.kv_memory.
+"""The KV memory calculator: sliders for a model's KV shape, batch and length, numbers from llmopt.kv_bytes.
 
 Pick a real model's preset or move the sliders; the readout gives bytes per token, per
 sequence and for the whole batch, and the chart puts every preset side by side at the same
@@ -12,7 +12,7 @@ from dataclasses import replace
 import ipywidgets as widgets
 import plotly.graph_objects as go
 
-from llmopt.kv_memory import DTYPE_BYTES, PRESETS, KVSpec, format_bytes
+from llmopt.kv_bytes import DTYPE_BYTES, PRESETS, KVSpec, format_bytes
 from llmopt.viz.notebook import LABEL_STYLE, LessonWidget, format_table, show_outputs
 
 REFERENCE_BYTES = 40e9  # the "over 40 GB of KV" claim lesson 01 checks

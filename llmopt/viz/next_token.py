@@ -11,20 +11,20 @@ import ipywidgets as widgets
 import plotly.graph_objects as go
 import torch
 
-from llmopt.engine.kv_cache import NoKVCache
+from llmopt.layers.attention import AttentionMetadata
 from llmopt.layers.sampler import filter_logits, sample
+from llmopt.model.forward import run_model
 from llmopt.sampling_params import SamplingParams
 from llmopt.viz.notebook import LABEL_STYLE, LEGEND_BELOW, LessonWidget, format_table, show_outputs
+from llmopt.worker.kv_cache import NoKVCache
 
 
 @torch.inference_mode()
 def next_token_logits(model, token_ids: list[int]) -> torch.Tensor:
     """Logits [vocab] for the token after `token_ids` (one full forward, no cache)."""
     device = next(model.parameters()).device
-    cache = NoKVCache()
-    cache.begin_step([len(token_ids)])
-    hidden = model(torch.tensor(token_ids, device=device), torch.arange(len(token_ids), device=device),
-                   cache)
+    hidden = run_model(model, NoKVCache(), torch.tensor(token_ids, device=device),
+                       AttentionMetadata.uncached([len(token_ids)], device))
     return model.compute_logits(hidden[-1:])[0]
 
 

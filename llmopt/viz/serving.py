@@ -1,6 +1,6 @@
 """Serving dashboards: a load test's TTFT, TPOT, throughput and KV usage, live and after.
 
-A `LoadTest` (llmopt.server.load) fills in its request results and /metrics samples while it
+A `LoadTest` (llmopt.bench.load) fills in its request results and /metrics samples while it
 runs. The same numbers draw a 2x2 dashboard (TTFT and TPOT per request, by when it was sent;
 the server's output tokens/s and KV cache usage over time), a plot of the percentiles
 against the request rate, and plain-text tables for viewers that draw neither.

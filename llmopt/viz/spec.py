@@ -20,7 +20,7 @@ import ipywidgets as widgets
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from llmopt.bench_spec import expected_tokens_per_step, predicted_speedup
+from llmopt.bench.spec import expected_tokens_per_step, predicted_speedup
 from llmopt.sampling_params import SamplingParams
 from llmopt.viz.notebook import LABEL_STYLE, LEGEND_BELOW, LessonWidget, format_table, show_outputs
 
@@ -341,7 +341,7 @@ def speedup_model_widget(alpha: float = 0.6, c: float = 0.1, max_k: int = 10) ->
 
 
 def speedup_rows(result: dict) -> list[dict]:
-    """The table of `llmopt.bench_spec.bench_spec`'s result, one row per configuration (batch 1).
+    """The table of `llmopt.bench.spec.bench_spec`'s result, one row per configuration (batch 1).
 
     Two predictions: Leviathan et al.'s, where verifying k + 1 tokens costs one decode step
     (verify = 1), and the same formula with the measured verification cost in its place."""

@@ -1,0 +1,186 @@
+"""The C++ CPU kernels against what they replace, each figure with the GB/s it reads at.
+
+GGUF blocks (Q8_0 / Q4_0 / Q4_1, llama.cpp's int8-activation arithmetic) against a dense
+bf16 matmul, at 1 / 4 / 16 / 64 rows of x, on SmolLM2-135M's shapes; paged attention against
+the engine's torch path (gather into a padded batch, then SDPA) at batch 1 / 8 / 64 and
+context 128 / 512 / 2048, SmolLM2's heads (9 query, 3 kv, head_dim 64, bf16). GB/s is the
+bytes a call must read (the weights; the keys and values) over its time; the header gives
+the machine's read bandwidth (a sum over 1 GiB of initialized memory) to compare with.
+
+    python benchmarks/cpu_kernels.py [--threads 2] [--repeats 50]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType
+from gguf.quants import quantize
+
+from llmopt.layers.attention import AttentionMetadata, paged_attention_torch
+from llmopt.worker.kv_cache import PagedKVCache
+from llmopt.kernels import cpu
+from llmopt.kernels.cpu.gguf_blocks import GGUFBlockWeight
+from llmopt.kernels.cpu.paged_attention import paged_attention_cpu
+
+RESULTS = Path(__file__).parent / "results"
+# SmolLM2-135M: (name, out_features N, in_features K); gate and up run fused
+SHAPES = [("qkv / o 576x576", 576, 576), ("gate_up 3072x576", 3072, 576), ("down 576x1536", 576, 1536),
+          ("head 49152x576", 49152, 576)]
+ROWS = (1, 4, 16, 64)
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
+
+
+def timed(fn, repeats: int) -> float:
+    """Median seconds of `repeats` calls, after two warm-up calls."""
+    fn(), fn()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return float(np.median(times))
+
+
+def read_bandwidth() -> float:
+    """GB/s of a sum over 1 GiB of written (not merely allocated) memory, best of 5."""
+    x = torch.ones(2 ** 28)
+    return x.numel() * 4 / min(timed(lambda: x.sum(), 1) for _ in range(5)) / 1e9
+
+
+def matmul_rows(repeats: int) -> list[dict]:
+    rows = []
+    rng = np.random.default_rng(0)
+    for name, n, k in SHAPES:
+        w = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
+        dense = torch.from_numpy(w).bfloat16()
+        blocks = {t: GGUFBlockWeight.from_gguf_bytes(quantize(w, GGMLQuantizationType[t]), t, k)
+                  for t in ("Q8_0", "Q4_0", "Q4_1")}
+        reps = max(5, repeats // (8 if n > 10000 else 1))
+        for m in ROWS:
+            x = torch.randn(m, k).bfloat16()
+            t_dense = timed(lambda: F.linear(x, dense), reps)
+            row = {"shape": name, "rows": m, "bf16_us": t_dense * 1e6,
+                   "bf16_GBps": dense.numel() * 2 / t_dense / 1e9}
+            for t, b in blocks.items():
+                s = timed(lambda: b.matmul(x), reps)
+                row[f"{t}_us"], row[f"{t}_GBps"], row[f"{t}_speedup"] = s * 1e6, b.nbytes() / s / 1e9, t_dense / s
+            rows.append(row)
+    return rows
+
+
+def crossover_rows(repeats: int) -> list[dict]:
+    """Where a prompt's many rows make the dense matmul win (gate_up, the largest layer)."""
+    rng = np.random.default_rng(0)
+    w = (rng.standard_normal((3072, 576)) * 0.05).astype(np.float32)
+    q8 = GGUFBlockWeight.from_gguf_bytes(quantize(w, GGMLQuantizationType.Q8_0), "Q8_0", 576)
+    dense = {dt: torch.from_numpy(w).to(dt) for dt in (torch.float32, torch.bfloat16)}
+    rows = []
+    for m in (16, 32, 64, 128, 512):
+        row = {"rows": m}
+        for dt, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
+            x = torch.randn(m, 576).to(dt)
+            row[f"{name}_dense_us"] = timed(lambda: F.linear(x, dense[dt]), max(5, repeats // 5)) * 1e6
+            row[f"{name}_Q8_0_us"] = timed(lambda: q8.matmul(x), max(5, repeats // 5)) * 1e6
+        rows.append(row)
+    return rows
+
+
+def attention_case(batch: int, context: int, dtype=torch.bfloat16):
+    """A decode step: `batch` sequences of `context` cached tokens plus one new one each."""
+    per_seq = -(-(context + 1) // BLOCK)
+    num_blocks = batch * per_seq
+    cache = PagedKVCache(1, num_blocks, BLOCK, KV_HEADS, HEAD_DIM, dtype)
+    cache.k[0].normal_(), cache.v[0].normal_()
+    order = torch.randperm(num_blocks).view(batch, per_seq)
+    lens = [context + 1] * batch
+    b = AttentionMetadata.paged(order.tolist(), [context] * batch, [1] * batch, BLOCK)
+    assert b.seq_lens == lens
+    cache.begin_step(b)
+    q = torch.randn(batch, HEADS, HEAD_DIM).to(dtype)
+    k = torch.randn(batch, KV_HEADS, HEAD_DIM).to(dtype)
+    v = torch.randn(batch, KV_HEADS, HEAD_DIM).to(dtype)
+    return cache, b, q, k, v
+
+
+def attention_rows(repeats: int) -> list[dict]:
+    rows = []
+    for batch in (1, 8, 64):
+        for context in (128, 512, 2048):
+            cache, b, q, k, v = attention_case(batch, context)
+            scale = HEAD_DIM ** -0.5
+            kv_bytes = 2 * batch * (context + 1) * KV_HEADS * HEAD_DIM * 2
+            torch_path = timed(lambda: paged_attention_torch(q, k, v, cache.k[0], cache.v[0], 1.0, 1.0, b, BLOCK,
+                                                             scale), repeats)
+            kernel = timed(lambda: paged_attention_cpu(q, cache.k[0], cache.v[0], b.block_table_tensor,
+                                                       b.query_start_loc, b.seq_lens_tensor, scale), repeats)
+            rows.append({"batch": batch, "context": context, "torch_us": torch_path * 1e6,
+                         "torch_GBps": kv_bytes / torch_path / 1e9, "kernel_us": kernel * 1e6,
+                         "kernel_GBps": kv_bytes / kernel / 1e9, "speedup": torch_path / kernel})
+    return rows
+
+
+def markdown(info: dict, mm: list[dict], cross: list[dict], att: list[dict]) -> str:
+    lines = ["# CPU kernels: GGUF blocks and paged attention (llmopt/kernels/cpu)", "",
+             f"{info['cpu']}, {info['threads']} threads, vector ISA {info['simd']}, torch {info['torch']}; "
+             f"load average {info['load'][0]:.2f} before, {info['load'][1]:.2f} after. Read bandwidth "
+             f"(sum over 1 GiB): **{info['read_GBps']:.1f} GB/s**. First build of the kernels: "
+             f"{info['build_s']:.0f} s here; later processes load them in {info['load_s'] * 1e3:.0f} ms. "
+             "Medians of repeated calls; GB/s = bytes the call must read / its time.", "",
+             "## x @ W^T: GGUF blocks (int8 activations, llama.cpp's arithmetic) vs dense bf16", "",
+             "| shape (N x K) | rows | bf16 us (GB/s) | Q8_0 us (GB/s) | Q4_0 us (GB/s) | Q4_1 us (GB/s) |"
+             " Q8_0 / Q4_0 / Q4_1 speedup |", "|---|---|---|---|---|---|---|"]
+    for r in mm:
+        cells = [f"{r[f'{t}_us']:,.0f} ({r[f'{t}_GBps']:.1f})" for t in ("bf16", "Q8_0", "Q4_0", "Q4_1")]
+        lines.append(f"| {r['shape']} | {r['rows']} | " + " | ".join(cells) +
+                     f" | {r['Q8_0_speedup']:.2f}x / {r['Q4_0_speedup']:.2f}x / {r['Q4_1_speedup']:.2f}x |")
+    lines += ["", "## Where the dense matmul takes over (gate_up 3072x576, Q8_0 kernel vs dense, us)", "",
+              "| rows | fp32 dense | Q8_0, fp32 x | bf16 dense | Q8_0, bf16 x |", "|---|---|---|---|---|"]
+    for r in cross:
+        lines.append(f"| {r['rows']} | {r['fp32_dense_us']:,.0f} | {r['fp32_Q8_0_us']:,.0f} | "
+                     f"{r['bf16_dense_us']:,.0f} | {r['bf16_Q8_0_us']:,.0f} |")
+    lines += ["", "## Paged decode attention: C++ kernel vs the torch path (gather + SDPA), bf16 pool", "",
+              "SmolLM2's heads: 9 query heads on 3 kv heads, head_dim 64, blocks of 16, one layer.", "",
+              "| batch | context | torch us (GB/s) | kernel us (GB/s) | speedup |", "|---|---|---|---|---|"]
+    for r in att:
+        lines.append(f"| {r['batch']} | {r['context']} | {r['torch_us']:,.0f} ({r['torch_GBps']:.1f}) | "
+                     f"{r['kernel_us']:,.0f} ({r['kernel_GBps']:.1f}) | {r['speedup']:.2f}x |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=50)
+    p.add_argument("--out", default=str(RESULTS / "cpu_kernels"), help="writes OUT.md and OUT.json")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    load_before = os.getloadavg()
+    t = time.perf_counter()
+    if not cpu.available():
+        raise SystemExit(f"the C++ CPU kernels are not available: {cpu.why_unavailable()}")
+    load_s = time.perf_counter() - t
+    model = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    model = next((line.split(":", 1)[1].strip() for line in model.splitlines() if "Model name" in line),
+                 platform.processor())
+    info = {"cpu": model, "threads": args.threads, "simd": cpu.load().simd(), "torch": torch.__version__,
+            "read_GBps": read_bandwidth(), "load_s": load_s, "build_s": float(os.environ.get("BUILD_S", "nan"))}
+    mm, cross, att = matmul_rows(args.repeats), crossover_rows(args.repeats), attention_rows(args.repeats)
+    info["load"] = (load_before[0], os.getloadavg()[0])
+    text = markdown(info, mm, cross, att)
+    print(text)
+    Path(args.out + ".md").write_text(text)
+    Path(args.out + ".json").write_text(json.dumps({"info": info, "matmul": mm, "crossover": cross, "attention": att}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

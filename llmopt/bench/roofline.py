@@ -1,0 +1,161 @@
+"""`roofline`: is a decode step as fast as reading its bytes allows?
+
+A decode step reads every weight once (whatever the batch size) and each sequence's cached
+keys and values, and does about two flops per weight per sequence: at small batch the
+machine's memory bandwidth, not its arithmetic, sets the step time. So the floor of a step is
+
+    step time >= (weight bytes + KV bytes attended) / read bandwidth,
+
+and the share of the bandwidth a step achieves says how much of its time is the model and how
+much is everything else (per-op overhead, gathers, slow kernels). As gpt-fast does, every
+figure here carries its GB/s.
+
+1. The machine: a large read, copy and triad (STREAM's a = b + s * c) of initialized memory,
+   per thread count. (`torch.empty` pages never written read as the kernel's shared zero page,
+   which reports several times the real bandwidth: every buffer here is written first.)
+2. The engine: B sequences with `context` tokens cached each, then `steps` decode steps timed
+   one by one; bytes per step, step time, achieved GB/s and its share of the read bandwidth,
+   for every batch size, and the batch where step time starts to grow (the bend).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from llmopt.bench.common import table
+
+
+# -- 1. the machine's bandwidth ----------------------------------------------------------------------
+
+def measure_bandwidth(thread_counts=(1, 2), megabytes: int = 512, repeats: int = 5) -> list[dict]:
+    """GB/s of read, copy and triad on float32 buffers of `megabytes` each; the best of `repeats`.
+    Bytes counted as STREAM counts them: read 1, copy 2, triad 3 buffers' worth."""
+    n = megabytes * 2**20 // 4
+    a, b, c = (torch.rand(n) for _ in range(3))  # written: every page is real memory
+    before = torch.get_num_threads()
+    rows = []
+    try:
+        for threads in thread_counts:
+            torch.set_num_threads(threads)
+            kernels = {"read": (lambda: b.sum(), 1), "copy": (lambda: a.copy_(b), 2),
+                       "triad": (lambda: torch.add(b, c, alpha=3.0, out=a), 3)}
+            row = {"threads": threads}
+            for name, (fn, arrays) in kernels.items():
+                fn()  # warm
+                best = min(_seconds(fn) for _ in range(repeats))
+                row[name] = arrays * n * 4 / best / 1e9
+            rows.append(row)
+    finally:
+        torch.set_num_threads(before)
+    return rows
+
+
+def _seconds(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+# -- 2. what a decode step must read -------------------------------------------------------------------
+
+def weight_bytes_per_step(model) -> int:
+    """Bytes of every weight a decode step reads once: the decoder's layers and the lm_head.
+
+    A layer that keeps its weights in a format of its own says what it reads (`weight_bytes()`);
+    the token embedding is a lookup of B rows (nothing, next to the rest), unless it is tied to
+    the lm_head, which reads all of it."""
+    total, seen = 0, set()
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    skip = {id(p) for p in embed.parameters()} if embed is not None else set()
+    head = getattr(model, "lm_head", None)
+    if head is not None:
+        skip -= {id(p) for p in head.parameters()}  # tied: the head reads the whole matrix
+    for m in model.modules():
+        own = getattr(m, "weight_bytes", None)
+        if own is not None:
+            total += int(own() if callable(own) else own)
+            seen |= {id(t) for t in list(m.parameters()) + list(m.buffers())}
+    for t in list(model.parameters()) + list(model.buffers()):
+        if id(t) in seen or id(t) in skip:
+            continue
+        seen.add(id(t))
+        total += t.numel() * t.element_size()
+    return total
+
+
+def kv_bytes_per_token(engine) -> int:
+    """Bytes one cached token takes in the engine's pool, all layers (K and V)."""
+    return engine.bytes_per_block // engine.block_size
+
+
+# -- 3. timing decode steps ---------------------------------------------------------------------------------
+
+def time_decode_steps(llm, batch: int, context: int, steps: int, token_ids: list[int]) -> list[float]:
+    """Seconds of each of `steps` engine steps in which `batch` sequences decode one token each,
+    after `context` tokens of each are in the cache."""
+    from llmopt.sampling_params import SamplingParams
+
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 2, ignore_eos=True)
+    ids = [f"roofline-{batch}-{i}" for i in range(batch)]
+    for i, rid in enumerate(ids):
+        start = (i * 7919) % max(1, len(token_ids) - context)
+        engine.add_request(rid, {"prompt_token_ids": token_ids[start:start + context]}, params)
+    seqs = [engine.requests[rid] for rid in ids]
+    try:
+        while any(not s.output_token_ids for s in seqs):  # prefill (in chunks if need be)
+            engine.step()
+        times = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - t0)
+        return times
+    finally:
+        engine.abort_request(ids)
+
+
+def bench_roofline(llm, batches: list[int], context: int, steps: int, token_ids: list[int],
+                   bandwidth: list[dict], progress: bool = True) -> dict:
+    from llmopt.bench.common import progress_bar
+
+    engine = llm.llm_engine
+    weights = weight_bytes_per_step(engine.model)
+    per_token = kv_bytes_per_token(engine)
+    threads = torch.get_num_threads()
+    read_bw = max((r["read"] for r in bandwidth if r["threads"] == threads),
+                  default=max(r["read"] for r in bandwidth))
+    time_decode_steps(llm, 1, context, 4, token_ids)  # warm-up: first calls allocate and compile
+    rows = []
+    for batch in progress_bar(batches, "roofline", progress):
+        times = time_decode_steps(llm, batch, context, steps, token_ids)
+        step = statistics.median(times)
+        kv = batch * (context + steps // 2) * per_token  # each step attends the cache as it is then
+        gbs = (weights + kv) / step / 1e9
+        rows.append({"batch": batch, "context": context, "step_ms": 1e3 * step, "tok_s": batch / step,
+                     "weight_mb": weights / 1e6, "kv_mb": kv / 1e6, "gb_s": gbs, "share": gbs / read_bw})
+    base = rows[0]["step_ms"] if rows else 1.0
+    for r in rows:
+        r["vs_batch_1"] = r["step_ms"] / base
+    bend = next((r["batch"] for r in rows if r["vs_batch_1"] > 1.3), None)
+    return {"workload": "roofline", "bandwidth": bandwidth, "read_gb_s": read_bw, "rows": rows,
+            "bend_batch": bend, "weight_bytes": weights, "kv_bytes_per_token": per_token}
+
+
+def roofline_table(raw: dict) -> str:
+    bw = table(["threads", "read GB/s", "copy GB/s", "triad GB/s"],
+               [[r["threads"], f"{r['read']:.1f}", f"{r['copy']:.1f}", f"{r['triad']:.1f}"]
+                for r in raw["bandwidth"]])
+    steps = table(["batch", "context", "step ms", "tok/s", "weights MB", "KV MB", "GB/s", "share of read bw",
+                   "step vs batch 1"],
+                  [[r["batch"], r["context"], f"{r['step_ms']:.2f}", f"{r['tok_s']:.1f}", f"{r['weight_mb']:.1f}",
+                    f"{r['kv_mb']:.1f}", f"{r['gb_s']:.1f}", f"{100 * r['share']:.0f}%", f"{r['vs_batch_1']:.2f}x"]
+                   for r in raw["rows"]])
+    bend = raw["bend_batch"]
+    note = (f"Step time first grows past 1.3x batch 1's at batch {bend}." if bend else
+            "Step time stays within 1.3x of batch 1's at every batch measured.")
+    return (f"Machine bandwidth (initialized float32 buffers):\n\n{bw}\n\nDecode steps (read bandwidth "
+            f"{raw['read_gb_s']:.1f} GB/s at this thread count):\n\n{steps}\n\n{note}")

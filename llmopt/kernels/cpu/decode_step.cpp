@@ -1,0 +1,151 @@
+// A decode step of a Llama-family decoder in one call: every layer, without coming back to
+// Python between operations (llmopt/worker/compiled_decode.py says when and why).
+//
+// Per layer, for the flat batch of new tokens h [T, hidden]:
+//   x = rmsnorm(h) ; q, k, v = x @ Wqkv^T ; RoPE(q, k) ; k, v -> their pool slots
+//   h += attention(q over the pool) @ Wo^T
+//   x = rmsnorm(h) ; h += (silu(x @ Wg^T) * (x @ Wu^T)) @ Wd^T
+// The elementwise steps round to the model's dtype where the eager torch path does, so in
+// float32 the two compute the same numbers up to the order of a few sums. (No fused
+// multiply-adds here: torch rounds a product before adding it, and so does this file.)
+#pragma GCC optimize("fp-contract=off")
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <vector>
+
+namespace llmopt {
+at::Tensor gguf_matmul(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, const at::Tensor& mn,
+                       int64_t type, bool int8_activations);
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                           const at::Tensor& block_table, const at::Tensor& query_start_loc,
+                           const at::Tensor& seq_lens, double scale, int64_t window, double k_scale, double v_scale);
+
+namespace {
+
+// One linear layer: kind 0 = a dense weight w [N, K]; else the GGUF block type (2, 3, 8) of
+// blocks (qs, d, mn), multiplied with int8 (llama.cpp's) or float activations for up to
+// max_rows rows of x, and by their dense copy w above that (as llmopt.layers.gguf_linear does).
+struct Linear {
+  int64_t kind;
+  at::Tensor w, qs, d, mn, bias;
+  bool int8;
+  int64_t max_rows;
+};
+
+at::Tensor apply(const Linear& l, const at::Tensor& x) {
+  if (l.kind == 0 || x.size(0) > l.max_rows) return at::linear(x, l.w, l.bias);
+  at::Tensor y = gguf_matmul(x, l.qs, l.d, l.mn, l.kind, l.int8);
+  return l.bias.defined() ? y + l.bias : y;
+}
+
+// RMSNorm and SiLU through the same ATen kernels the eager modules call (llmopt/layers/norm.py,
+// the MLP's F.silu): a sum in another order, or another exp, differs in the last bit, and the
+// GGUF kernels' int8 rounding of activations turns such a bit into a different token.
+at::Tensor rms_norm(const at::Tensor& h, const at::Tensor& w, double eps) {
+  at::Tensor x = h.to(at::kFloat);
+  x = x * at::rsqrt(x.pow(2).mean(-1, true) + eps);
+  return w * x.to(h.scalar_type());
+}
+
+// q * cos + swap_halves(q) * signed_sin, in place, each product rounded as torch rounds it.
+template <typename T>
+void rope(T* x, const T* cos, const T* ssin, int64_t tokens, int64_t heads, int64_t d, int64_t stride) {
+  const int64_t half = d / 2;
+  std::vector<float> tmp(d);
+  for (int64_t t = 0; t < tokens; ++t)
+    for (int64_t h = 0; h < heads; ++h) {
+      T* row = x + t * stride + h * d;
+      const T* c = cos + t * d;
+      const T* s = ssin + t * d;
+      for (int64_t j = 0; j < d; ++j) {
+        const float swapped = float(row[j < half ? j + half : j - half]);
+        tmp[j] = float(T(float(T(float(row[j]) * float(c[j]))) + float(T(swapped * float(s[j])))));
+      }
+      for (int64_t j = 0; j < d; ++j) row[j] = T(tmp[j]);
+    }
+}
+
+template <typename T>
+void write_slots(const T* src, int64_t stride, T* pool, const int64_t* slots, int64_t tokens, int64_t width) {
+  for (int64_t t = 0; t < tokens; ++t) std::memcpy(pool + slots[t] * width, src + t * stride, width * sizeof(T));
+}
+
+template <typename T>
+void add_into(T* h, const T* y, int64_t n) {
+  at::parallel_for(0, n, 4096, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) h[i] = T(float(h[i]) + float(y[i]));
+  });
+}
+
+template <typename T>
+void run_layers(at::Tensor& h, const at::Tensor& cos, const at::Tensor& ssin, const std::vector<at::Tensor>& norms,
+                const std::vector<Linear>& linears, const std::vector<at::Tensor>& k_pools,
+                const std::vector<at::Tensor>& v_pools, const std::vector<double>& k_scales,
+                const std::vector<double>& v_scales, const std::vector<int64_t>& windows, const at::Tensor& slots,
+                const at::Tensor& block_table, const at::Tensor& qsl, const at::Tensor& seq_lens, int64_t Hq,
+                int64_t Hkv, int64_t D, double eps) {
+  const int64_t T_ = h.size(0), H = h.size(1), L = int64_t(norms.size() / 2);
+  const int64_t q_size = Hq * D, kv_size = Hkv * D;
+  const double scale = 1.0 / std::sqrt(double(D));
+  for (int64_t l = 0; l < L; ++l) {
+    at::Tensor x = rms_norm(h, norms[2 * l], eps);
+    at::Tensor qkv = apply(linears[4 * l], x).contiguous();          // [T, q + 2 kv]
+    T* p = qkv.data_ptr<T>();
+    const int64_t stride = q_size + 2 * kv_size;
+    rope<T>(p, cos.data_ptr<T>(), ssin.data_ptr<T>(), T_, Hq, D, stride);
+    rope<T>(p + q_size, cos.data_ptr<T>(), ssin.data_ptr<T>(), T_, Hkv, D, stride);
+    write_slots<T>(p + q_size, stride, k_pools[l].data_ptr<T>(), slots.data_ptr<int64_t>(), T_, kv_size);
+    write_slots<T>(p + q_size + kv_size, stride, v_pools[l].data_ptr<T>(), slots.data_ptr<int64_t>(), T_, kv_size);
+    at::Tensor q = qkv.narrow(1, 0, q_size).contiguous().view({T_, Hq, D});
+    at::Tensor attn = paged_attention(q, k_pools[l], v_pools[l], block_table, qsl, seq_lens, scale, windows[l],
+                                      k_scales[l], v_scales[l]);
+    at::Tensor o = apply(linears[4 * l + 1], attn.view({T_, q_size})).contiguous();
+    add_into<T>(h.data_ptr<T>(), o.data_ptr<T>(), T_ * H);
+    x = rms_norm(h, norms[2 * l + 1], eps);
+    at::Tensor gu = apply(linears[4 * l + 2], x);                     // [T, 2 * intermediate]
+    const int64_t inter = gu.size(1) / 2;
+    at::Tensor act = (at::silu(gu.narrow(1, 0, inter)) * gu.narrow(1, inter, inter)).contiguous();
+    at::Tensor down = apply(linears[4 * l + 3], act).contiguous();
+    add_into<T>(h.data_ptr<T>(), down.data_ptr<T>(), T_ * H);
+  }
+}
+
+}  // namespace
+
+// h [T, hidden] (the token embeddings; updated in place to the last layer's output, before the
+// final norm). Per layer l: norms[2l], norms[2l+1]; linears[4l..4l+3] = qkv, o, gate_up, down, each
+// five tensors (dense weight, qs, d, mn, bias; undefined where unused) and one kind.
+void decode_layers(at::Tensor h, const at::Tensor& cos, const at::Tensor& ssin, const std::vector<at::Tensor>& norms,
+                   const std::vector<at::Tensor>& linear_tensors, const std::vector<int64_t>& linear_kinds,
+                   bool int8_activations, int64_t kernel_max_rows, const std::vector<at::Tensor>& k_pools,
+                   const std::vector<at::Tensor>& v_pools, const std::vector<double>& k_scales,
+                   const std::vector<double>& v_scales, const std::vector<int64_t>& windows, const at::Tensor& slots,
+                   const at::Tensor& block_table, const at::Tensor& qsl, const at::Tensor& seq_lens, int64_t num_heads,
+                   int64_t num_kv_heads, int64_t head_dim, double eps) {
+  TORCH_CHECK_VALUE(h.dim() == 2 && h.is_contiguous(), "h must be contiguous [tokens, hidden]");
+  TORCH_CHECK_VALUE(h.scalar_type() == at::kFloat || h.scalar_type() == at::kBFloat16,
+                    "the compiled decode step runs float32 or bfloat16, got ", h.scalar_type());
+  const size_t L = norms.size() / 2;
+  TORCH_CHECK_VALUE(linear_kinds.size() == 4 * L && linear_tensors.size() == 5 * 4 * L && k_pools.size() == L &&
+                    v_pools.size() == L && windows.size() == L, "one set of weights and pools per layer");
+  std::vector<Linear> linears;
+  for (size_t i = 0; i < linear_kinds.size(); ++i) {
+    const auto* t = &linear_tensors[5 * i];
+    // (Python passes empty tensors for the parts a layer has not: bias, min, blocks of a dense layer)
+    linears.push_back({linear_kinds[i], t[0], t[1], t[2], t[3], t[4].numel() ? t[4] : at::Tensor(), int8_activations,
+                       kernel_max_rows});
+  }
+  for (const auto& p : k_pools)
+    TORCH_CHECK_VALUE(p.scalar_type() == h.scalar_type() && p.is_contiguous(), "pools must be in the model's dtype");
+  at::Tensor hh = h;
+  if (h.scalar_type() == at::kFloat)
+    run_layers<float>(hh, cos, ssin, norms, linears, k_pools, v_pools, k_scales, v_scales, windows, slots,
+                      block_table, qsl, seq_lens, num_heads, num_kv_heads, head_dim, eps);
+  else
+    run_layers<at::BFloat16>(hh, cos, ssin, norms, linears, k_pools, v_pools, k_scales, v_scales, windows, slots,
+                             block_table, qsl, seq_lens, num_heads, num_kv_heads, head_dim, eps);
+}
+
+}  // namespace llmopt

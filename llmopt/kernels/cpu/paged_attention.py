@@ -1,0 +1,49 @@
+"""Paged attention on the CPU that reads the KV pool where it lies, one pass per step.
+
+The torch path gathers every sequence's keys and values into a padded copy before attending;
+this C++ kernel (paged_attention.cpp) follows the block table instead, reading each key and
+value row once for all the query heads that share it (GQA), slicing long contexts across
+threads and merging their partial softmaxes (flash-decoding). `paged_attention_ref`
+(llmopt.kernels.paged_attention) is the plain-torch meaning it is tested against, and what
+runs where the C++ kernels cannot be built.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from llmopt.kernels import cpu
+from llmopt.kernels.paged_attention import FP8_DTYPES, paged_attention_ref
+
+QUERY_DTYPES = (torch.float32, torch.bfloat16)
+POOL_DTYPES = (torch.float32, torch.bfloat16) + FP8_DTYPES
+
+
+def paged_attention_cpu(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                        block_table: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                        scale: float, window: int | None = None,
+                        k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+    """Attention of flat queries over paged keys and values; returns [T, Hq, D] in q's dtype.
+
+    q: [T, Hq, D] float32 or bfloat16, the new tokens of every sequence one after another;
+    sequence i owns rows query_start_loc[i] .. query_start_loc[i + 1] (a decode owns one).
+    k_pool, v_pool: [num_blocks, block_size, Hkv, D], float32, bfloat16 or float8 (e4m3fn /
+    e5m2, read as fp8 * k_scale / v_scale); Hq a multiple of Hkv (query head h reads kv head
+    h // (Hq / Hkv)). block_table: [B, max_blocks] int32, the blocks of each sequence in order;
+    query_start_loc: [B + 1] int32; seq_lens: [B] int32, each sequence's length after this step
+    (its context plus its new tokens, whose keys and values are already in the pool). The
+    queries of a sequence with n new tokens sit at positions seq_len - n .. seq_len - 1 and see
+    the keys at positions <= their own, and > their own minus `window` when one is given.
+    Softmax and sums run in fp32. Slots no query may see are never read.
+    """
+    for name, t, dtypes in (("q", q, QUERY_DTYPES), ("k_pool", k_pool, POOL_DTYPES), ("v_pool", v_pool, POOL_DTYPES)):
+        if t.dtype not in dtypes or t.device.type != "cpu":
+            raise TypeError(f"{name} must be a CPU tensor of {dtypes}, got {t.dtype} on {t.device}")
+    if window is not None and (not isinstance(window, int) or window < 1):
+        raise ValueError(f"window must be a positive int or None, got {window!r}")
+    ext = cpu.load()
+    if ext is None:
+        return paged_attention_ref(q, k_pool, v_pool, block_table, query_start_loc, seq_lens, scale,
+                                   window, k_scale, v_scale)
+    return ext.paged_attention(q.contiguous(), k_pool, v_pool, block_table, query_start_loc, seq_lens,
+                               float(scale), 0 if window is None else window, float(k_scale), float(v_scale))

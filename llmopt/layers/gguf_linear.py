@@ -1,0 +1,67 @@
+"""A linear layer whose weight is a GGUF file's Q8_0 / Q4_0 / Q4_1 blocks, as stored.
+
+At decode batch sizes the C++ kernel (`llmopt.kernels.cpu.gguf_blocks`) reads the blocks
+directly: 8.5 bits a weight for Q8_0, 4.5 / 5 for Q4_0 / Q4_1, against 16 for bf16, and a
+decode step's time is the time to read its weights. A large batch of rows (a prompt) is
+compute-bound instead, so there the layer multiplies by a dense copy of the same weights,
+dequantized once. Without the C++ kernels every call takes the dense copy.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llmopt.kernels import cpu
+from llmopt.kernels.cpu.gguf_blocks import ACTIVATIONS, MATMUL_DTYPES, GGUFBlockWeight
+
+# Up to this many rows of x the block kernel beats the dense matmul in x's dtype (gate_up
+# 3072 x 576 on 2 AVX2 cores, benchmarks/results/cpu_kernels.md): fp32 dense takes over past
+# 32 rows (64 rows: 2.6 ms dense, 3.3 ms kernel); a bf16 matmul without native bf16
+# instructions is slower than the kernel even at 512 rows (107 vs 29 ms). On a CPU with
+# AVX512_BF16 or AMX the bf16 figure is worth measuring again.
+KERNEL_MAX_ROWS = {torch.float32: 32, torch.bfloat16: 512}
+
+
+class GGUFLinear(nn.Module):
+    """y = x @ W^T + b with W a `GGUFBlockWeight`; `activations` picks the kernel's arithmetic
+    ("int8": llama.cpp's, x rounded per 32 values; "float32": x as it is)."""
+
+    def __init__(self, weight: GGUFBlockWeight, bias: torch.Tensor | None = None, activations: str = "int8"):
+        super().__init__()
+        if activations not in ACTIVATIONS:
+            raise ValueError(f"activations must be one of {ACTIVATIONS}, got {activations!r}")
+        self.weight_blocks, self.activations = weight, activations
+        self.in_features, self.out_features = weight.in_features, weight.out_features
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        self._dense: dict[torch.dtype, torch.Tensor] = {}
+
+    def extra_repr(self) -> str:
+        return (f"GGUFLinear(in={self.in_features}, out={self.out_features}, "
+                f"{self.weight_blocks.type_name}, activations={self.activations})")
+
+    def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """The blocks dequantized, once per dtype (for prompts, and where no kernel runs)."""
+        if dtype not in self._dense:
+            self._dense[dtype] = self.weight_blocks.dequantize(dtype)
+        return self._dense[dtype]
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self.weight_blocks.dequantize(dtype)
+
+    def runs_kernel(self, x: torch.Tensor) -> bool:
+        return (x.device.type == "cpu" and x.dtype in MATMUL_DTYPES
+                and x.numel() // self.in_features <= KERNEL_MAX_ROWS[x.dtype] and cpu.available())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.runs_kernel(x):
+            out = self.weight_blocks.matmul(x.reshape(-1, self.in_features).contiguous(), self.activations)
+            out = out.view(*x.shape[:-1], self.out_features)
+        else:
+            out = F.linear(x, self.dense_weight(x.dtype).to(x.device))
+        return out if self.bias is None else out + self.bias.to(out.dtype)
+
+    def weight_bytes(self) -> int:
+        """Bytes of the blocks (the dense copy, made only for prompts, not counted)."""
+        return self.weight_blocks.nbytes()

@@ -1,0 +1,171 @@
+"""The engine's side of structured outputs: vLLM's `StructuredOutputManager`.
+
+A constrained request waits here, outside the scheduler, until its grammar has compiled in a
+worker thread (llmopt/structured/compiler.py): the other requests keep running meanwhile. Once
+ready it joins the scheduler with a matcher of its own. Then, each step:
+
+1. before sampling, the runner asks for the batch bitmask (`bitmask`) and the sampler masks
+   the disallowed tokens to -inf before temperature, top-k and top-p;
+2. after sampling, every token the engine appends moves the request's matcher (`accept`);
+3. where the grammar then forces a continuation, jump-forward appends it (`jump_forward`),
+   and a grammar that can only end finishes the request without spending a step on EOS.
+"""
+
+from __future__ import annotations
+
+import time
+
+from llmopt.structured.compiler import GrammarCompiler
+from llmopt.structured.jump_forward import jump_forward_tokens
+from llmopt.structured.matcher import RequestGrammar, batch_bitmask
+
+PENDING_WAIT_S = 0.02  # how long a step with nothing else to run waits for a compile
+
+
+class StructuredOutputManager:
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids, enable_jump_forward: bool = True):
+        self.tokenizer, self.vocab_size = tokenizer, vocab_size
+        self.stop_token_ids = set(stop_token_ids)
+        self.enable_jump_forward = enable_jump_forward
+        self._compiler: GrammarCompiler | None = None
+        self.pending: list = []  # (sequence, future of its compiled grammar), in arrival order
+        self.stats = {"structured_requests": 0, "structured_jump_forward_tokens": 0,
+                      "structured_jump_forward_steps_saved": 0, "structured_jump_forward_retokenized": 0,
+                      "structured_eos_steps_saved": 0, "structured_mask_seconds": 0.0,
+                      "structured_mask_rows": 0}
+
+    @property
+    def compiler(self) -> GrammarCompiler:
+        if self._compiler is None:
+            self._compiler = GrammarCompiler(self.tokenizer, self.vocab_size, self.stop_token_ids)
+        return self._compiler
+
+    # -- admission -------------------------------------------------------------------------------
+    def check(self, params, index) -> None:
+        """The combinations a grammar cannot serve, refused before any work."""
+        so = params.structured_outputs
+        if so is None:
+            return
+        if params.ignore_eos:
+            raise ValueError(f"request {index}: ignore_eos cannot be combined with structured_outputs "
+                             "(the grammar decides where the output ends)")
+        if params.min_tokens:
+            raise ValueError(f"request {index}: min_tokens cannot be combined with structured_outputs "
+                             "(holding EOS back could leave the grammar no token to allow)")
+
+    def compile(self, params, name: str = "structured_outputs"):
+        """Compile now (in a worker thread, waiting at most the compile limit): a ValueError
+        naming `name` and the compiler's message if the constraint does not compile."""
+        if params.structured_outputs is not None:
+            return self.compiler.compile(params.structured_outputs, name)
+        return None
+
+    def add(self, seq) -> None:
+        """A new constrained request waits until its grammar is compiled."""
+        self.stats["structured_requests"] += 1
+        self.pending.append((seq, self.compiler.submit(seq.params.structured_outputs)))
+
+    def remove(self, seq) -> None:
+        self.pending = [(s, f) for s, f in self.pending if s is not seq]
+
+    def admit_ready(self, engine, wait: bool) -> list:
+        """Hand the requests whose grammar is ready to the scheduler; fail those whose grammar
+        did not compile. `wait`: nothing else can run, so block briefly for the oldest compile.
+        Returns the failed requests' outputs."""
+        if not self.pending:
+            return []
+        if wait and not any(f.done() for _, f in self.pending):
+            try:
+                self.pending[0][1].exception(timeout=PENDING_WAIT_S)
+            except TimeoutError:
+                pass
+        failed, still = [], []
+        for seq, f in self.pending:
+            if not f.done() and time.perf_counter() - seq.metrics.arrival_time > self.compiler.timeout_s:
+                failed.append(engine.fail_request(seq.request_id, ValueError(
+                    f"structured_outputs did not compile within {self.compiler.timeout_s:g} s")))
+            elif not f.done():
+                still.append((seq, f))
+            elif f.exception() is not None:
+                failed.append(engine.fail_request(seq.request_id, f.exception()))
+            else:
+                seq.grammar = RequestGrammar(f.result(), self.stop_token_ids, self.vocab_size)
+                self._jump_at_start(seq, engine)
+                if seq.is_finished:  # max_tokens reached by the forced prefix alone
+                    engine.remove_request(seq)
+                    seq.finalize_text(self.tokenizer)
+                    failed.append(seq.to_output())
+                else:
+                    engine.scheduler.add(seq)
+        self.pending = still
+        return [out for out in failed if out is not None]
+
+    # -- each step ----------------------------------------------------------------------------------
+    def bitmask(self, rows, firsts: list[int], num_rows: int):
+        """The batch bitmask for the runner (see matcher.batch_bitmask), timed for the metrics."""
+        start = time.perf_counter()
+        out = batch_bitmask(rows, firsts, num_rows, self.vocab_size)
+        if out is not None:
+            self.stats["structured_mask_seconds"] += time.perf_counter() - start
+            self.stats["structured_mask_rows"] += len(out[1])
+        return out
+
+    def accept(self, seq, token_id: int) -> bool:
+        """The engine appended `token_id`: move the matcher. A refusal would be a bug, not bad
+        input: that request alone ends with finish_reason "error"."""
+        if seq.grammar.accept(token_id):
+            return True
+        seq.error = RuntimeError(f"the grammar refused token {token_id} that the engine appended")
+        seq.finish("error", None)
+        return False
+
+    def jump_forward(self, seq, engine, now: float) -> None:
+        """Append what the grammar forces after the request's newest token (see jump_forward.py),
+        each token checked for stops as a sampled one is; end the request where only EOS remains."""
+        g = seq.grammar
+        if g is None or seq.is_finished or g.is_terminated:
+            return
+        if self.enable_jump_forward:
+            # the newest token's KV is computed in the next step: it may still be re-encoded
+            replaceable = (seq.num_computed_tokens == seq.num_tokens - 1 and seq.params.logprobs is None
+                           and bool(seq.output_token_ids))
+            last = seq.output_token_ids[-1] if seq.output_token_ids else None
+            tokens, replaced = jump_forward_tokens(g, self.tokenizer, last, replaceable)
+            if replaced:
+                seq.output_token_ids.pop()
+                seq.metrics.token_times.pop()
+                engine.stats["generation_tokens"] -= 1
+                self.stats["structured_jump_forward_retokenized"] += 1
+            room = engine.max_model_len - len(seq)
+            if seq.params.max_tokens is not None:
+                room = min(room, seq.params.max_tokens - len(seq.output_token_ids))
+            appended = 0
+            for token in tokens[:max(room, 0)]:
+                g.accept(token)
+                g.forced_positions.append(len(seq.output_token_ids))
+                seq.append_token(token, now)
+                appended += 1
+                engine.stats["generation_tokens"] += 1
+                seq.check_stop(engine.eos_token_ids, engine.max_model_len, engine.tokenizer)
+                if seq.is_finished:
+                    break
+            self.stats["structured_jump_forward_tokens"] += appended
+            # a re-encoded boundary token replaces one that was sampled: that one saved nothing
+            self.stats["structured_jump_forward_steps_saved"] += max(0, appended - replaced)
+        if not seq.is_finished and g.only_stop_allowed():
+            eos = self.tokenizer.eos_token_id
+            eos = eos if eos in self.stop_token_ids else min(self.stop_token_ids)
+            g.accept(eos)
+            seq.append_token(eos, now)
+            engine.stats["generation_tokens"] += 1
+            seq.check_stop(engine.eos_token_ids, engine.max_model_len, engine.tokenizer)
+            self.stats["structured_eos_steps_saved"] += 1
+
+    def _jump_at_start(self, seq, engine) -> None:
+        """A grammar that opens with forced text (`{"name": "`): those tokens join the prefill."""
+        if self.enable_jump_forward and not seq.output_token_ids:
+            self.jump_forward(seq, engine, time.perf_counter())
+
+    def close(self) -> None:
+        if self._compiler is not None:
+            self._compiler.close()

@@ -1,0 +1,103 @@
+"""The decode step without per-op overhead: every decoder layer in one C++ call.
+
+A decode step of SmolLM2 in eager torch is about 40 small operations per layer, 1,200 a
+step, each a trip through Python and the dispatcher: at batch 1 they, not the weights,
+decide the step time, and the step reads its weights at a third of the machine's memory
+bandwidth (benchmarks/results/roofline.md). Here the whole stack runs in one call into
+llmopt/kernels/cpu/decode_step.cpp (RMSNorm, RoPE, the KV write, the paged attention
+kernel, SiLU and the residuals fused into loops; the matmuls are torch's, or the GGUF block
+kernels): a step is a handful of calls, as CUDA graphs make it on a GPU.
+
+Why C++ and not torch.compile: Inductor's CPU code fuses the same elementwise work, but it
+compiles per shape (every batch size and context bucket, minutes each on two cores, before
+the first token), while this extension is built once per machine (about a minute, cached on
+disk) and takes any shape. `enforce_eager=True` (vLLM's meaning) keeps the plain path, the
+reference this one is tested against: the same greedy tokens in float32.
+
+It runs the steps where every sequence brings one new token, on the CPU, for Llama-family
+models whose linears are dense or GGUF blocks and whose KV pool is in the model's dtype;
+anything else (prompts, speculative verification, FP8 pools, other quantized layers, tensor
+or pipeline parallelism) runs eagerly, and `why_not` says which.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from llmopt.kernels import cpu
+from llmopt.layers.attention import AttentionMetadata
+from llmopt.layers.gguf_linear import KERNEL_MAX_ROWS, GGUFLinear
+
+LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
+def why_not(model, kv_cache, device) -> str | None:
+    """Why the compiled step cannot run this model on this pool (None when it can)."""
+    from llmopt.model.llama import LlamaDecoderLayer
+
+    if torch.device(device).type != "cpu":
+        return "the compiled decode step is for the CPU (CUDA would capture a graph)"
+    dtype = model.model.embed_tokens.weight.dtype
+    if dtype not in (torch.float32, torch.bfloat16):
+        return f"dtype {dtype} (it runs float32 and bfloat16)"
+    if getattr(kv_cache, "layout", None) != "paged" or kv_cache.cache_dtype != dtype:
+        return "the KV pool is not a paged pool in the model's dtype (FP8 pools decode eagerly)"
+    for layer in model.model.layers:
+        if type(layer) is not LlamaDecoderLayer:
+            return f"{type(layer).__name__} layers (it runs Llama-family decoders)"
+        for name in LINEARS:
+            lin = layer.self_attn.get_submodule(name) if name in ("qkv_proj", "o_proj") else layer.mlp.get_submodule(name)
+            if type(lin) is nn.Linear:
+                if lin.weight.dtype != dtype:
+                    return f"{name} holds {lin.weight.dtype} weights in a {dtype} model"
+            elif not isinstance(lin, GGUFLinear):
+                return f"{type(lin).__name__} layers (it runs dense and GGUF-block linears)"
+    if not cpu.available():
+        return "the C++ CPU kernels could not be built here"
+    return None
+
+
+class CompiledDecode:
+    """`forward(input_ids, meta)` = the model's hidden states for a decode step, in one C++ call."""
+
+    def __init__(self, model, kv_cache):
+        self.model, self.kv_cache = model, kv_cache
+        cfg, stack = model.config, model.model
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.eps = float(stack.norm.eps)
+        self.dtype = stack.embed_tokens.weight.dtype
+        self.norms, self.tensors, self.kinds = [], [], []
+        self.unit_scales = [1.0] * len(stack.layers)  # the pool is in the model's dtype: no FP8 scales
+        self.windows = [0 if layer.self_attn.window is None else int(layer.self_attn.window) for layer in stack.layers]
+        none = torch.empty(0, dtype=self.dtype)  # (what a layer does not have: bias, min, blocks)
+        self.int8, self.max_rows = True, 1 << 30
+        for layer in stack.layers:
+            self.norms += [layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach()]
+            for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+                bias = none if lin.bias is None else lin.bias.detach().to(self.dtype)
+                if isinstance(lin, GGUFLinear):
+                    b = lin.weight_blocks
+                    self.int8, self.max_rows = lin.activations == "int8", KERNEL_MAX_ROWS[self.dtype]
+                    mn = b._no_min if b.m is None else b.m
+                    # the dense copy is what prompts (and decode batches above KERNEL_MAX_ROWS) multiply by
+                    self.tensors += [lin.dense_weight(self.dtype), b.qs, b.d, mn, bias]
+                    self.kinds.append(b.ggml_type)
+                else:
+                    self.tensors += [lin.weight.detach(), none, none, none, bias]
+                    self.kinds.append(0)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        stack, pool = self.model.model, self.kv_cache
+        pool.begin_step(meta)
+        h = stack.embed_tokens(input_ids).contiguous()  # a fresh tensor: the C++ step updates it in place
+        rotary = stack.rotary_emb
+        cos = rotary.cos[meta.positions].to(self.dtype).contiguous()
+        ssin = rotary.signed_sin[meta.positions].to(self.dtype).contiguous()
+        cpu.load().decode_layers(
+            h, cos, ssin, self.norms, self.tensors, self.kinds, self.int8, self.max_rows, pool.k, pool.v,
+            self.unit_scales, self.unit_scales, self.windows,
+            meta.slot_mapping.long(), meta.block_table_tensor, meta.query_start_loc, meta.seq_lens_tensor,
+            self.num_heads, self.num_kv_heads, self.head_dim, self.eps)
+        return stack.norm(h)

@@ -1,0 +1,363 @@
+"""KV caches: where a model's keys and values stay between steps. They store; attention attends.
+
+The model's attention layers (llmopt.layers.attention) hand their cache each step's new keys
+and values (`store`), then read them back, however the cache lays them out:
+
+- `NoKVCache` keeps nothing, so every step must feed the whole sequence again
+  (the naive loop: O(n^2) work to generate n tokens);
+- `ContiguousKVCache` reserves one contiguous [max_len] strip per sequence, the way
+  Hugging Face's static cache and pre-vLLM servers do;
+- `PagedKVCache` allocates fixed-size blocks on demand (PagedAttention): a token's slot is
+  block * block_size + offset, found through its sequence's block table.
+
+A step's batch is flattened: the new tokens of all sequences one after another, as vLLM
+lays them out; `begin_step(meta)` hands the cache the step's `AttentionMetadata`, which says
+which sequence owns which tokens and where they go.
+
+The paged cache can also store its blocks in FP8 (`kv_cache_dtype="fp8"`): one byte per
+number instead of two (bf16) or four (fp32), so the same memory holds 2x (or 4x) the
+tokens. Each layer then keeps a per-tensor `k_scale` and `v_scale`: the pool holds
+fp8(clamp(k / k_scale)) and attention reads fp8 * k_scale. The scales come from the
+checkpoint (as llm-compressor and vLLM name them), from calibration (the largest |k| and
+|v| over calibration text, mapped onto the format's largest value), or are 1.0.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+
+from llmopt.fp8 import KV_CACHE_FP8_DTYPES, is_fp8, scale_from_amax
+from llmopt.kernels.paged_attention import write_kv
+from llmopt.layers.attention import AttentionMetadata
+from llmopt.model.forward import run_model
+
+
+class KVCache:
+    """What every cache offers the attention layers: the step's metadata, and `store`."""
+
+    layout = "none"   # how keys are kept: "none", "contiguous", "paged" (or "latent": MLA)
+    metadata: AttentionMetadata
+
+    def begin_step(self, meta: AttentionMetadata) -> None:
+        self.metadata = meta
+
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        """Keep this step's new keys and values [num_tokens, Hkv, D] of `layer`. A cache that keeps
+        nothing may return the (keys, values) attention should read instead (an emulation of a
+        lossy cache does: keys rounded as an FP8 pool would hold them); None: read this step's."""
+
+
+class NoKVCache(KVCache):
+    """Remembers nothing: each forward holds complete sequences (query_lens = lengths)."""
+
+    def begin_step(self, meta: AttentionMetadata) -> None:
+        if any(meta.context_lens):
+            raise ValueError("a NoKVCache step holds whole sequences: context_lens must be 0 "
+                             "(use AttentionMetadata.uncached)")
+        self.metadata = meta
+
+    def store_latent(self, layer: int, kv: torch.Tensor) -> None:
+        """MLA's latent rows (llmopt/layers/mla.py): kept nowhere either."""
+
+
+class ContiguousKVCache(KVCache):
+    """One preallocated [num_kv_heads, max_len, head_dim] strip per sequence slot and layer.
+
+    Memory is reserved for `max_len` tokens whether a sequence uses 10 or 2,000 of them:
+    simple and fast to index, and exactly the waste PagedAttention removes.
+    """
+
+    layout = "contiguous"
+
+    def __init__(self, num_layers: int, max_seqs: int, max_len: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype = torch.float32, device="cpu"):
+        shape = (max_seqs, num_kv_heads, max_len, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.max_len = max_len
+        self.lens = [0] * max_seqs          # tokens cached per slot
+        self.free_slots = list(range(max_seqs - 1, -1, -1))
+
+    # -- slots -----------------------------------------------------------------------
+    def allocate(self) -> int:
+        if not self.free_slots:
+            raise RuntimeError("no free KV cache slot")
+        slot = self.free_slots.pop()
+        self.lens[slot] = 0
+        return slot
+
+    def free(self, slot: int) -> None:
+        self.lens[slot] = 0
+        self.free_slots.append(slot)
+
+    # -- one step ----------------------------------------------------------------------
+    def begin_step(self, meta: AttentionMetadata) -> None:
+        for s, c, n in zip(meta.slots, meta.context_lens, meta.query_lens):
+            if c != self.lens[s]:
+                raise RuntimeError(f"slot {s} holds {self.lens[s]} tokens; the step says {c}")
+            if c + n > self.max_len:
+                raise RuntimeError(f"slot {s} would hold {c + n} tokens; it has room for {self.max_len}")
+            self.lens[s] = c + n
+        self.metadata = meta
+        self._decode_index = torch.tensor(meta.slots, device=self.k[0].device)
+        self._decode_pos = torch.tensor(meta.context_lens, device=self.k[0].device)
+
+    def store(self, layer, k, v):
+        K, V, meta = self.k[layer], self.v[layer], self.metadata
+        if meta.is_decode:  # one token per sequence: one indexed write for all of them
+            K[self._decode_index, :, self._decode_pos] = k
+            V[self._decode_index, :, self._decode_pos] = v
+            return
+        start = 0
+        for slot, c, n in zip(meta.slots, meta.context_lens, meta.query_lens):
+            K[slot, :, c:c + n] = k[start:start + n].transpose(0, 1)
+            V[slot, :, c:c + n] = v[start:start + n].transpose(0, 1)
+            start += n
+
+    # -- memory accounting (lesson 01 and 02 read these) -------------------------------------
+    @property
+    def bytes_reserved(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    def bytes_used(self) -> int:
+        per_token = self.bytes_reserved // (len(self.lens) * self.max_len)
+        return sum(self.lens) * per_token
+
+
+def kv_cache_torch_dtype(kv_cache_dtype: str | torch.dtype, model_dtype: torch.dtype) -> torch.dtype:
+    """vLLM's kv_cache_dtype names -> the pool's torch dtype ("auto": the model's dtype)."""
+    if is_fp8(model_dtype):
+        raise ValueError(f"the model's dtype cannot be {model_dtype}: attention computes in "
+                         "float32/float16/bfloat16; put FP8 in the cache with kv_cache_dtype='fp8'")
+    if kv_cache_dtype == "auto":
+        return model_dtype
+    if isinstance(kv_cache_dtype, torch.dtype) and (is_fp8(kv_cache_dtype) or kv_cache_dtype == model_dtype):
+        return kv_cache_dtype
+    if isinstance(kv_cache_dtype, str) and kv_cache_dtype in KV_CACHE_FP8_DTYPES:
+        return KV_CACHE_FP8_DTYPES[kv_cache_dtype]
+    raise ValueError(f"kv_cache_dtype must be 'auto', {', '.join(map(repr, KV_CACHE_FP8_DTYPES))}, "
+                     f"got {kv_cache_dtype!r}")
+
+
+class PagedKVCache(KVCache):
+    """Per layer, a pool of blocks `[num_blocks, block_size, num_kv_heads, head_dim]` for K and V.
+
+    `store` writes each new token's key and value into its slot (the step's `slot_mapping`);
+    attention then reads every key, its own included, from the pool through the block table.
+    With an FP8 pool the pool holds fp8(k / k_scale); attention itself runs in the model's dtype.
+    """
+
+    layout = "paged"
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype = torch.float32, device="cpu",
+                 kv_cache_dtype: str | torch.dtype = "auto"):
+        self.dtype = dtype                                              # attention's dtype
+        self.cache_dtype = kv_cache_torch_dtype(kv_cache_dtype, dtype)  # the pool's dtype
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        # Empty, not zeros: nothing ever reads a slot before its token's key and value are
+        # written there (the torch path gathers only written slots, the kernels mask the rest),
+        # so a slot's old contents, even a NaN a failed request left behind, never reach
+        # another request; and a CPU pool of gigabytes costs memory only as it fills.
+        self.k = [torch.empty(shape, dtype=self.cache_dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.empty(shape, dtype=self.cache_dtype, device=device) for _ in range(num_layers)]
+        self.num_blocks, self.block_size = num_blocks, block_size
+        # Per layer, one scale for all keys and one for all values (1.0: stored as is).
+        self.k_scale = [1.0] * num_layers
+        self.v_scale = [1.0] * num_layers
+        self.scale_source = "unit"  # or "checkpoint", "calibrated", "set"
+        # Per layer, an optional [Hkv, D] vector subtracted from every key before it is stored
+        # (SageAttention's smoothing): q.(k - c) = q.k - q.c shifts all of one query's scores by the
+        # same amount, which softmax ignores, so attention is unchanged while a channel's constant
+        # offset no longer eats FP8's relative precision.
+        self.k_shift: list[torch.Tensor] | None = None
+        # the Triton kernels cover the head sizes real models use; anything else stays on torch
+        self.use_triton = torch.device(device).type == "cuda" and head_dim in (16, 32, 64, 128)
+        self.use_cpu_kernel = True  # on the CPU, the C++ kernel where it builds (False: the torch path)
+
+    @property
+    def is_fp8(self) -> bool:
+        return is_fp8(self.cache_dtype)
+
+    def store(self, layer, k, v):
+        if self.k_shift is not None:  # smoothed keys: what the pool holds is k - shift
+            k = k - self.k_shift[layer].to(k.dtype)
+        write_kv(k, v, self.k[layer], self.v[layer], self.metadata.slot_mapping,
+                 self.k_scale[layer], self.v_scale[layer])
+
+    # -- FP8 scales ----------------------------------------------------------------------------
+    def set_scales(self, k_scale: list, v_scale: list, source: str = "set") -> None:
+        """Per-layer scales for an FP8 pool (set them before anything is cached: blocks
+        already written were divided by the old ones). Each layer's scale is a number, or one
+        per KV head (a sequence of num_kv_heads numbers: llm-compressor's "attn_head" strategy)."""
+        if not self.is_fp8:
+            raise ValueError(f"k/v scales apply to an FP8 KV cache; this one stores {self.cache_dtype} "
+                             "(create the LLM with kv_cache_dtype='fp8')")
+        n, heads = len(self.k), self.k[0].shape[2]
+        for name, scales in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if len(scales) != n:
+                raise ValueError(f"{name}: expected {n} scales (one per layer), got {len(scales)}")
+            flat = [float(x) for s in scales for x in (torch.as_tensor(s).reshape(-1).tolist())]
+            bad = [s for s in flat if not (0 < s < float("inf"))]
+            if bad:
+                raise ValueError(f"{name} must be positive finite numbers, got {bad[:3]}")
+            if any(torch.as_tensor(s).numel() not in (1, heads, heads * self.k[0].shape[3]) for s in scales):
+                raise ValueError(f"{name}: each layer's scale is one number, {heads} (one per KV head) or "
+                                 f"{heads} x {self.k[0].shape[3]} (one per head and channel)")
+        self.k_scale, self.v_scale = [_kv_scale(s, heads, self.k[0].device) for s in k_scale], \
+            [_kv_scale(s, heads, self.k[0].device) for s in v_scale]
+        if any(isinstance(s, torch.Tensor) for s in self.k_scale + self.v_scale):
+            self.use_triton = False   # the Triton kernels take one scale per layer; the torch path broadcasts
+        self.scale_source = source
+
+    def calibrate(self, model, token_ids: list[list[int]], per_head: bool = False,
+                  smooth_keys: bool = False, per_channel: bool = False) -> None:
+        """Scales from amax: run calibration sequences through the model (no cache), keep
+        each layer's (or each KV head's) largest |key| and |value|, map them onto the format's
+        largest value; per_channel: one amax per KV head and channel ([Hkv, D], KIVI's
+        granularity for keys). smooth_keys: first measure each layer's mean key per head and channel,
+        store keys minus it (`k_shift`), and take the keys' amax after that shift."""
+        if smooth_keys:
+            observer = observe_kv(model, token_ids, len(self.k))
+            self.k_shift = [(s / observer.count).to(self.k[0].device) for s in observer.k_sum]
+        k_amax, v_amax = observe_kv_amax(model, token_ids, len(self.k), "channel" if per_channel else per_head,
+                                         self.k_shift)
+        self.set_scales([scale_from_amax(a, self.cache_dtype) for a in k_amax],
+                        [scale_from_amax(a, self.cache_dtype) for a in v_amax],
+                        "calibrated per channel" if per_channel else
+                        "calibrated per head" if per_head else "calibrated")
+
+    def load_scales(self, folder: str | Path) -> bool:
+        """The checkpoint's k/v scales, if it has them (True when found)."""
+        scales = read_kv_scales(folder, len(self.k))
+        if scales is not None:
+            self.set_scales(*scales, source="checkpoint")
+        return scales is not None
+
+    @staticmethod
+    def bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype) -> int:
+        return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Block dst takes block src's keys and values, every layer (the radix prefix cache's
+        copy-on-write of a partly matched block). Stored bytes are copied, FP8 ones too."""
+        src = torch.tensor([s for s, _ in pairs], device=self.k[0].device)
+        dst = torch.tensor([d for _, d in pairs], device=self.k[0].device)
+        for pool in self.k + self.v:
+            pool[dst] = pool[src]
+
+
+def _kv_scale(s, heads: int, device):
+    """One layer's scale as the write and read helpers take it: a float, [Hkv, 1] per head or
+    [Hkv, D] per head and channel."""
+    t = torch.as_tensor(s, dtype=torch.float32)
+    return float(t) if t.numel() == 1 else t.reshape(heads, -1).to(device)
+
+
+# -- where FP8 scales come from ------------------------------------------------------------------
+
+class KVAmaxObserver(NoKVCache):
+    """Keeps nothing, like `NoKVCache`, but records per layer the largest |key| and |value| it
+    is handed (keys after RoPE: what a cache stores). The statistic FP8 KV scales are made from.
+    per_head: one amax per KV head ([Hkv]); "channel": per head and channel ([Hkv, D]). It also
+    sums the keys (their mean is the smoothing shift) and keeps the keys' amax after k_shift."""
+
+    def __init__(self, num_layers: int, per_head: bool | str = False, k_shift: list | None = None):
+        self.k_amax = [0.0] * num_layers
+        self.v_amax = [0.0] * num_layers
+        self.per_head, self.k_shift = per_head, k_shift
+        self.k_sum: list = [0.0] * num_layers   # for the mean key (smoothing)
+        self.count = 0
+
+    def store(self, layer, k, v):
+        self.k_sum[layer] = self.k_sum[layer] + k.float().sum(0)
+        self.count = k.shape[0]
+        stored = k if self.k_shift is None else k - self.k_shift[layer].to(k.dtype)
+        # k, v: [tokens, Hkv, D]; per head: the amax over tokens and dims of each head;
+        # "channel": [Hkv, D], the amax over tokens only
+        dims = (0,) if self.per_head == "channel" else (0, 2)
+        amax = (lambda x: x.abs().amax(dims).float()) if self.per_head else (lambda x: x.abs().max().item())
+        for seen, x in ((self.k_amax, stored), (self.v_amax, v)):
+            seen[layer] = torch.maximum(torch.as_tensor(seen[layer]), amax(x)) if self.per_head \
+                else max(seen[layer], amax(x))
+
+
+@torch.inference_mode()
+def observe_kv_amax(model, token_ids: list[list[int]], num_layers: int,
+                    per_head: bool | str = False, k_shift: list | None = None) -> tuple[list, list]:
+    """Run sequences (one flat batch) through `model` and return per-layer (k_amax, v_amax):
+    numbers, or with per_head a [Hkv] tensor for each layer (of the keys minus k_shift)."""
+    observer = observe_kv(model, token_ids, num_layers, per_head, k_shift)
+    return observer.k_amax, observer.v_amax
+
+
+@torch.inference_mode()
+def observe_kv(model, token_ids: list[list[int]], num_layers: int, per_head: bool | str = False,
+               k_shift: list | None = None) -> KVAmaxObserver:
+    """Run sequences (one flat batch) through `model` under a KVAmaxObserver, and return it."""
+    if not token_ids or not all(token_ids):
+        raise ValueError("calibration needs at least one non-empty sequence of token ids")
+    device = next(model.parameters()).device
+    observer = KVAmaxObserver(num_layers, per_head, k_shift)
+    ids = torch.tensor([t for seq in token_ids for t in seq], device=device)
+    run_model(model, observer, ids, AttentionMetadata.uncached([len(t) for t in token_ids], device))
+    return observer
+
+
+def calibration_token_ids(tokenizer, num_tokens: int = 4096, seq_len: int = 512) -> list[list[int]]:
+    """`num_tokens` tokens of the bundled held-out text's calibration part (never the part
+    that evaluation scores), cut into sequences of `seq_len`."""
+    from llmopt.model.registry import heldout_text
+
+    ids = tokenizer(heldout_text("calibration"), add_special_tokens=False,
+                    verbose=False)["input_ids"][:num_tokens]
+    return [ids[i:i + seq_len] for i in range(0, len(ids), seq_len)]
+
+
+# Checkpoint names for per-layer KV scales, as vLLM reads them: llm-compressor's
+# `self_attn.k_scale` (older: `k_proj.output_scale`), ModelOpt's `k_proj.k_scale`, and the
+# deprecated single `kv_scale` (used for both).
+_KV_SCALE_NAME = re.compile(
+    r"layers\.(\d+)\.self_attn\.(?:attn\.)?(?:(k|v)_scale|(k|v)_proj\.(?:output_scale|(?:k|v)_scale)|(kv)_scale)$")
+
+
+def read_kv_scales(folder: str | Path, num_layers: int) -> tuple[list[float], list[float]] | None:
+    """Per-layer (k_scales, v_scales) from a checkpoint's safetensors, or None if it has none.
+
+    ValueError if only some layers have them, or a scale is not a positive finite number.
+    """
+    from safetensors import safe_open
+
+    from llmopt.model.gguf import is_gguf
+    from llmopt.model.loader import safetensors_files
+
+    if is_gguf(folder):
+        return None  # llama.cpp's format stores no KV-cache scales
+    found: dict[str, dict[int, float]] = {"k": {}, "v": {}}
+    for f in safetensors_files(Path(folder)):
+        with safe_open(str(f), framework="pt") as handle:
+            for name in handle.keys():
+                m = _KV_SCALE_NAME.search(name)
+                if m is None:
+                    continue
+                layer, which = int(m.group(1)), m.group(2) or m.group(3) or m.group(4)
+                t = handle.get_tensor(name).float()
+                if t.numel() != 1:
+                    raise ValueError(f"{f}: {name} has shape {tuple(t.shape)}; a per-tensor KV scale "
+                                     "has one element")
+                value = t.item()
+                if not (0 < value < float("inf")):
+                    raise ValueError(f"{f}: {name} = {value}; a KV scale must be a positive finite number")
+                for kv in ("k", "v") if which == "kv" else (which,):
+                    found[kv].setdefault(layer, value)
+    if not found["k"] and not found["v"]:
+        return None
+    for kv in ("k", "v"):
+        missing = sorted(set(range(num_layers)) - set(found[kv]))
+        if missing:
+            raise ValueError(f"{folder}: the checkpoint has KV scales, but no {kv}_scale for layers "
+                             f"{missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    return [found["k"][i] for i in range(num_layers)], [found["v"][i] for i in range(num_layers)]
