@@ -7,20 +7,24 @@ against plain decoding in the same sitting. Greedy output is checked equal to pl
 
     python benchmarks/self_speculation.py [--models tiny smollm2] [--k 3] [--max-tokens 32] [--exits 8 15]
 
-Writes results/self_speculation.md and .json. Times are one run each on a shared machine:
-read the acceptance, which is deterministic, and treat the times as rough.
+Writes results/self_speculation.md and .json, with the CPU and the load average in the header
+(run it on a quiet machine: it warns above 1.5). Each engine is warmed up on one short request
+before it is timed; acceptance is deterministic, times are one run each.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 import time
 from pathlib import Path
 
 import torch
 
 from llmopt import LLM, SamplingParams
+from llmopt.bench.common import cpu_name, load_average
 
 PROMPTS = {
     "tiny": ["def fibonacci(n):", "class Stack:\n    def push(self, x):", "import os\n", "for i in range("],
@@ -30,10 +34,15 @@ PROMPTS = {
 EXITS = {"tiny": [1, 2, 3, 4, 5], "smollm2": [8, 15, 22, 28]}
 
 
+def _warm(llm: LLM) -> None:
+    llm.generate(["warm up"], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+
+
 def measure(model: str, exit_layers: list[int], k: int, max_tokens: int) -> list[dict]:
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     prompts = PROMPTS[model]
     plain_llm = LLM(model=model, enable_prefix_caching=False)
+    _warm(plain_llm)
     t = time.perf_counter()
     plain = [o.outputs[0].token_ids for o in plain_llm.generate(prompts, params, use_tqdm=False)]
     plain_s = time.perf_counter() - t
@@ -43,13 +52,16 @@ def measure(model: str, exit_layers: list[int], k: int, max_tokens: int) -> list
     for e in exit_layers:
         llm = LLM(model=model, enable_prefix_caching=False,
                   speculative_config={"method": "layer_skip", "exit_layer": e, "num_speculative_tokens": k})
+        _warm(llm)
+        before = llm.get_metrics()  # the warm-up's drafts are not counted
         t = time.perf_counter()
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         s = time.perf_counter() - t
-        m = llm.get_metrics()
+        m = {key: v - before.get(key, 0) for key, v in llm.get_metrics().items() if key.startswith("spec_decode_num")}
+        drafts = max(1, m["spec_decode_num_drafts"])
         rows.append({"model": model, "exit_layer": e,
                      "acceptance_rate": m["spec_decode_num_accepted_tokens"] / max(1, m["spec_decode_num_draft_tokens"]),
-                     "acceptance_length": m["spec_decode_mean_acceptance_length"],
+                     "acceptance_length": 1 + m["spec_decode_num_accepted_tokens"] / drafts,
                      "seconds": s, "speedup": plain_s / s, "equal_to_plain": got == plain})
         del llm
         print(rows[-1], flush=True)
@@ -66,17 +78,23 @@ def main():
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "self_speculation.md"))
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
+    load, started = load_average(), time.perf_counter()
     rows = []
     for model in a.models:
         rows += measure(model, a.exits or EXITS[model], a.k, a.max_tokens)
     lines = [f"# Self-speculative decoding (layer skip), k = {a.k}, greedy, {a.max_tokens} tokens x "
-             f"{len(PROMPTS['tiny'])} prompts, {a.threads} threads (shared machine)", "",
-             "| model | exit layer | acceptance rate | tokens per verify step | seconds | speedup | greedy = plain |",
+             f"{len(PROMPTS['tiny'])} prompts, {a.threads} threads", "",
+             f"`python benchmarks/self_speculation.py {' '.join(sys.argv[1:])}`".replace(" `", "`") +
+             f" ({(time.perf_counter() - started) / 60:.1f} min); {cpu_name()} ({os.cpu_count()} cores), torch "
+             f"{torch.__version__}; load average {load:.2f} at the start, {os.getloadavg()[0]:.2f} at the end. "
+             "Acceptance is deterministic; times are one run of all prompts together, after a warm-up request.", "",
+             "| model | exit layer | acceptance rate | tokens per verify step | ms per token | speedup | greedy = plain |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:
         acc = "-" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.2f}"
         lines.append(f"| {r['model']} | {r['exit_layer'] or 'plain'} | {acc} | {r['acceptance_length']:.2f} | "
-                     f"{r['seconds']:.1f} | {r['speedup']:.2f}x | {r['equal_to_plain']} |")
+                     f"{1e3 * r['seconds'] / (a.max_tokens * len(PROMPTS[r['model']])):.1f} | {r['speedup']:.2f}x | "
+                     f"{r['equal_to_plain']} |")
     Path(a.out).write_text("\n".join(lines) + "\n")
     Path(a.out).with_suffix(".json").write_text(json.dumps(rows, indent=1))
     print("\n".join(lines))

@@ -61,18 +61,29 @@ def rss_growth(samples: list[dict], warm_up: float = 0.3) -> dict[int, float]:
     return out
 
 
-def recovery(summary: dict, window: float) -> list[float | None]:
-    """Seconds after each restart's ready until a window's TTFT p99 is within 1.5x of the
-    run's median window p99 (None: never within the run)."""
+def recovery(soak: Soak, summary: dict, window: float, probe: float = 5.0) -> list[float | None]:
+    """Seconds after each restart's ready until requests sent from then on see a normal TTFT:
+    the first whole second t >= 0 after ready at which the p99 TTFT of requests sent in
+    [ready + t, ready + t + `probe`) is within 1.5x of the run's median window p99 (None: never
+    before the next kill or drain, or the end). Requests sent while the replica was away are the outage's
+    cost, not the recovery's: they are in the window table above, by send time."""
     quiet = [w["ttft_p99_ms"] for w in summary["windows"] if w["requests"] and w["ttft_p99_ms"] == w["ttft_p99_ms"]]
-    normal = percentile(quiet, 50)
+    normal = percentile(quiet, 50) / 1e3
+    starts = sorted(f["at"] for f in summary["events"] if f["kind"] in ("kill", "drain"))  # not a stall
     out = []
     for e in summary["events"]:
         if e["kind"] not in ("kill", "drain"):
             continue
-        later = [w for w in summary["windows"] if w["start"] >= e["ready"] - window and w["requests"]]
-        back = next((w for w in later if w["ttft_p99_ms"] <= 1.5 * normal), None)
-        out.append(None if back is None else max(0.0, back["start"] + window - e["ready"]))
+        until = next((t for t in starts if t > e["ready"]), soak.duration)
+        back, t = None, 0.0
+        while e["ready"] + t + probe <= until:
+            ttft = [r.ttft for r in soak.records
+                    if e["ready"] + t <= r.send_time < e["ready"] + t + probe and r.ttft is not None]
+            if ttft and percentile(ttft, 99) <= 1.5 * normal:
+                back = t
+                break
+            t += 1.0
+        out.append(back)
     return out
 
 
@@ -95,7 +106,7 @@ def main() -> None:
     window = 10.0
     s = summarize_soak(soak, window=window)
     s.update(capacity_req_s=cap, rate=args.share * cap, load_average=load, cpu=cpu, started=started,
-             rss_growth=rss_growth(s["samples"]), ttft_recovery_s=recovery(s, window))
+             rss_growth=rss_growth(s["samples"]), ttft_recovery_s=recovery(soak, s, window))
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "soak.json").write_text(json.dumps(s, indent=1, default=str) + "\n")
     (RESULTS / "soak.md").write_text(table(s, d) + "\n")
@@ -117,17 +128,28 @@ def table(s: dict, duration: float) -> str:
              + "; probes: " + ", ".join(f"{p['kind']} -> {p['status']}" for p in s["probes"]), "",
              "RSS growth after warm-up, per replica process: " + ", ".join(
                  f"{g:+.1%}" for g in s["rss_growth"].values()) + " (goal < 5%)",
-             "TTFT p99 back to normal after each restart: " + ", ".join(
-                 "never" if r is None else f"{r:.0f} s" for r in s["ttft_recovery_s"]) + " (goal within 10 s)", "",
+             "TTFT p99 back to normal after each restart (requests sent in 5 s from then, within 1.5x the "
+             "median window's p99): " + ", ".join("never" if r is None else f"{r:.0f} s"
+                                                  for r in s["ttft_recovery_s"]) + " (goal within 10 s)", "",
              "| window (s) | requests | answered | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms | "
              "KV usage r0 / r1 | RSS MB r0 / r1 |", "|---|---|---|---|---|---|---|---|---|"]
     for w in s["windows"]:
+        if not w["requests"]:
+            continue
         inside = [x for x in s["samples"] if w["start"] <= x["time"] < w["start"] + 10.0]
         kv = [max((x.get("kv_usage", 0) for x in inside if x["replica"] == r), default=float("nan")) for r in (0, 1)]
         rss = [max((x["rss_mb"] or 0 for x in inside if x["replica"] == r), default=float("nan")) for r in (0, 1)]
         lines.append(f"| {w['start']:.0f} | {w['requests']} | {w['answered']} | {w['ttft_p50_ms']:.0f} | "
                      f"{w['ttft_p99_ms']:.0f} | {w['tpot_p50_ms']:.1f} | {w['tpot_p99_ms']:.1f} | "
                      f"{kv[0]:.0%} / {kv[1]:.0%} | {rss[0]:.0f} / {rss[1]:.0f} |")
+    recovered = [r for r in s["ttft_recovery_s"] if r is not None]
+    lines += ["", "Reading it: every accepted request was answered, refused with 503 + Retry-After after its "
+              "retries, or (a stream that had started on a killed replica) ended with an error its client saw; "
+              f"{s['lost_silently']} lost silently, {len(s['leaked_kv'])} replicas holding KV blocks at the end. "
+              "While a replica is away the other carries the load (its window shows the queueing in TTFT); "
+              "recovery counts from the restarted replica's ready, over requests sent from then on, at 1-second "
+              "steps (10-second windows would round every recovery up to the window's end). "
+              + (f"Here the slowest recovery took {max(recovered):.0f} s." if recovered else "")]
     return "\n".join(lines)
 
 

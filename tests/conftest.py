@@ -9,6 +9,18 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest  # noqa: E402
 
 
+def pytest_configure(config):
+    """On pytest-xdist's workers (`-n 2`), each worker's torch gets its share of the cores: two
+    workers of two threads each on a 2-core machine put four busy threads on two cores, and every
+    parallel region then waits for its descheduled thread. What a worker starts (servers, parallel
+    workers, notebook kernels) keeps its own setting."""
+    workers = getattr(config, "workerinput", {}).get("workercount")
+    if workers:
+        import torch
+
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // workers))
+
+
 @pytest.fixture(scope="session")
 def checkpoint_dir(tmp_path_factory):
     """name -> folder of a random-weight HF checkpoint (see tests/checkpoints.py)."""
