@@ -9,7 +9,8 @@ KV shares...) in benchmarks/results/engine.json for lessons to plot.
     python benchmarks/engine.py --num-requests 8 --output-len 8 16 --out-dir /tmp/smoke
     python benchmarks/engine.py --workloads offline --batch-size 64
 
-Any `llmopt bench` flag (sizes, engine flags) is passed on to every workload.
+Any `llmopt bench` flag (sizes, engine flags) is passed on to every workload. Every section's
+header gives the load average taken before the first workload started.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import time
 from pathlib import Path
 
 from llmopt.bench import for_json, run_workload
+from llmopt.bench.common import load_average
 from llmopt.cli import build_parser
 
 ALL = ["offline", "kv-memory", "prefix", "chunked"]
@@ -43,11 +45,11 @@ def main(argv: list[str] | None = None) -> int:
         rest = ["--profile-steps", "10", *rest]  # the offline table comes with its profile
     command = shlex.join(["python", "benchmarks/engine.py", *argv])
 
-    sections, raw = [], {"command": command}
+    sections, raw = [], {"command": command, "load_average": load_average()}  # before any work
     t0 = time.perf_counter()
     for w in ours.workloads:
         args = build_parser().parse_args(["bench", "--workload", w, *rest])
-        text, numbers = run_workload(args, command)
+        text, numbers = run_workload(args, command, raw["load_average"])
         print(f"\n## {TITLES[w]}\n\n{text}\n", flush=True)
         sections.append(f"## {TITLES[w]}\n\n{text}\n")
         raw[w] = for_json(numbers)

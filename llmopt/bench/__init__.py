@@ -106,15 +106,17 @@ def command_line(args, prog: str = "llmopt bench") -> str:
     return shlex.join(parts)
 
 
-def run_workload(args, command: str | None = None) -> tuple[str, dict]:
-    """Run the workload `args.workload` names: (markdown with its header line, raw numbers)."""
+def run_workload(args, command: str | None = None, load: float | None = None) -> tuple[str, dict]:
+    """Run the workload `args.workload` names: (markdown with its header line, raw numbers).
+    `load`: the load average measured before a run of several workloads began (the later ones
+    would otherwise record the run's own load)."""
     threads = torch.get_num_threads()
     if args.threads:
         # On a CPU shared with other jobs, fewer threads than cores can be much faster:
         # an oversubscribed thread pool waits for its slowest thread at every operation.
         torch.set_num_threads(args.threads)
     try:
-        return _run_workload(args, command, load_average())
+        return _run_workload(args, command, load_average() if load is None else load)
     finally:
         torch.set_num_threads(threads)
 
