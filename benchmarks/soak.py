@@ -61,7 +61,7 @@ def rss_growth(samples: list[dict], warm_up: float = 0.3) -> dict[int, float]:
     return out
 
 
-def recovery(soak: Soak, summary: dict, window: float, probe: float = 5.0) -> list[float | None]:
+def recovery(soak: Soak, summary: dict, probe: float = 5.0) -> list[float | None]:
     """Seconds after each restart's ready until requests sent from then on see a normal TTFT:
     the first whole second t >= 0 after ready at which the p99 TTFT of requests sent in
     [ready + t, ready + t + `probe`) is within 1.5x of the run's median window p99 (None: never
@@ -106,7 +106,7 @@ def main() -> None:
     window = 10.0
     s = summarize_soak(soak, window=window)
     s.update(capacity_req_s=cap, rate=args.share * cap, load_average=load, cpu=cpu, started=started,
-             rss_growth=rss_growth(s["samples"]), ttft_recovery_s=recovery(soak, s, window))
+             rss_growth=rss_growth(s["samples"]), ttft_recovery_s=recovery(soak, s))
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "soak.json").write_text(json.dumps(s, indent=1, default=str) + "\n")
     (RESULTS / "soak.md").write_text(table(s, d) + "\n")

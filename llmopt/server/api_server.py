@@ -45,8 +45,8 @@ from llmopt.server.detokenizer import IncrementalDetokenizer
 from llmopt.server.openapi import request_body, request_schemas
 from llmopt.server.lifecycle import Replica
 from llmopt.server.protocol import (APIError, ParsedRequest, chat_chunk, chat_response, completion_chunk,
-                                    completion_response, new_id, parse_chat, parse_completion, usage,
-                                    usage_chunk)
+                                    completion_response, new_id, parse_chat, parse_completion, read_json_body,
+                                    usage, usage_chunk)
 from llmopt.server.security import Security
 from llmopt.server.structured_fields import compile_for_request
 
@@ -113,32 +113,6 @@ def build_app(llm: AsyncLLM, max_request_bytes: int = MAX_REQUEST_BYTES,
 
 
 # -- one request ---------------------------------------------------------------------------------
-async def _read_json(request: Request, max_bytes: int):
-    # Only JSON: a web page may POST text/plain (or a form) to any address without asking the
-    # browser's CORS preflight, but not application/json; parsing those anyway would let every
-    # site the user visits drive a server on their machine.
-    media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
-    if media_type != "application/json":
-        raise APIError(f"the body must be JSON sent with 'Content-Type: application/json'; got "
-                       f"{media_type or 'no Content-Type'!r}", status=415, code="unsupported_media_type")
-    declared = request.headers.get("content-length", "")
-    too_big = APIError(f"the request body is larger than {max_bytes:,} bytes", status=413,
-                       code="request_too_large")
-    if declared.isdigit() and int(declared) > max_bytes:
-        raise too_big
-    body = bytearray()
-    async for part in request.stream():
-        body += part
-        if len(body) > max_bytes:
-            raise too_big
-    try:
-        return json.loads(body)
-    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, an integer of over 4,300 digits
-        raise APIError(f"the request body is not valid JSON ({e})") from None
-    except RecursionError:
-        raise APIError("the request body nests too deeply to parse") from None
-
-
 def _tokenize(llm: AsyncLLM, req: ParsedRequest) -> tuple[str | None, list[int]]:
     tok = llm.tokenizer
     if req.is_chat:
@@ -154,7 +128,7 @@ def _tokenize(llm: AsyncLLM, req: ParsedRequest) -> tuple[str | None, list[int]]
 
 async def _serve_request(llm: AsyncLLM, request: Request, chat: bool, max_bytes: int):
     arrival = time.perf_counter()
-    body = await _read_json(request, max_bytes)
+    body = await read_json_body(request, max_bytes)
     req = parse_chat(body, llm.model_name) if chat else parse_completion(body, llm.model_name)
     if req.priority != 0 and llm.engine.config.scheduling_policy != "priority":
         raise APIError(f"'priority' is {req.priority} but the server schedules first come, first served; "

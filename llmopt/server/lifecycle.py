@@ -22,7 +22,10 @@ import threading
 import traceback
 from collections.abc import Callable
 
+from starlette.requests import ClientDisconnect, Request
+
 from llmopt.server.async_engine import AsyncLLM
+from llmopt.server.protocol import APIError, read_json_body
 
 
 class Replica:
@@ -100,42 +103,28 @@ class Replica:
             # would be refused by a ready replica too, so "retry elsewhere" would only send it
             # round the load balancer to get the same 413/400 later (or, if every replica is
             # loading or marked down, never). Only a well-formed request is told to retry.
-            status, why = await self._check_body(scope, receive)
-            if status == 503:
-                why = "the server is not ready: " + ("its model is loading" if self.state == "loading"
-                                                     else "it is stopping") + "; retry shortly or on another replica"
-            kind = "service_unavailable" if status == 503 else "invalid_request_error"
-            body = {"error": {"message": why, "type": kind, "param": None, "code": None}}
+            refused = await self._check_body(scope, receive)
+            why = "its model is loading" if self.state == "loading" else "it is stopping"
+            refused = refused or APIError(f"the server is not ready: {why}; retry shortly or on another replica",
+                                          status=503, type="service_unavailable")
+            status, body = refused.status, refused.to_dict()
         data = json.dumps(body).encode()
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
         await send({"type": "http.response.start", "status": status,
                     "headers": headers + ([(b"retry-after", b"1")] if status == 503 else [])})
         await send({"type": "http.response.body", "body": data})
 
-    async def _check_body(self, scope, receive) -> tuple[int, str]:
-        """413 or 400 with the reason for a JSON body that is too large or malformed; 503 else.
-        Only `application/json` bodies are read (api_server._read_json says why)."""
+    async def _check_body(self, scope, receive) -> APIError | None:
+        """The ready app's own error (protocol.read_json_body: 413, 400) for a JSON body that is
+        too large or malformed; None else. A body not declared JSON is not read."""
         headers = dict(scope.get("headers") or [])
         media_type = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
         if scope.get("method") != "POST" or media_type != b"application/json":
-            return 503, ""
-        too_big = (413, f"the request body is larger than {self.max_request_bytes:,} bytes")
-        declared = headers.get(b"content-length", b"")
-        if declared.isdigit() and int(declared) > self.max_request_bytes:
-            return too_big
-        body, more = bytearray(), True
-        while more:
-            message = await receive()
-            if message["type"] != "http.request":
-                return 503, ""  # the client left
-            body += message.get("body", b"")
-            more = message.get("more_body", False)
-            if len(body) > self.max_request_bytes:
-                return too_big
+            return None
         try:
-            json.loads(body)
-        except ValueError as e:
-            return 400, f"the request body is not valid JSON ({e})"
-        except RecursionError:
-            return 400, "the request body nests too deeply to parse"
-        return 503, ""
+            await read_json_body(Request(scope, receive), self.max_request_bytes)
+        except APIError as e:
+            return e
+        except ClientDisconnect:
+            pass
+        return None

@@ -14,6 +14,7 @@ is one the engine can serve, so a request that parses never fails inside the eng
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from dataclasses import dataclass
@@ -43,6 +44,34 @@ class APIError(Exception):
     def to_dict(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
                           "code": self.code}}
+
+
+async def read_json_body(request, max_bytes: int):
+    """The JSON body of a Starlette request, or an APIError: 415 not declared JSON, 413 over
+    `max_bytes`, 400 not valid JSON. Used by the app and by a replica that is not ready yet."""
+    # Only JSON: a web page may POST text/plain (or a form) to any address without asking the
+    # browser's CORS preflight, but not application/json; parsing those anyway would let every
+    # site the user visits drive a server on their machine.
+    media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if media_type != "application/json":
+        raise APIError(f"the body must be JSON sent with 'Content-Type: application/json'; got "
+                       f"{media_type or 'no Content-Type'!r}", status=415, code="unsupported_media_type")
+    declared = request.headers.get("content-length", "")
+    too_big = APIError(f"the request body is larger than {max_bytes:,} bytes", status=413,
+                       code="request_too_large")
+    if declared.isdigit() and int(declared) > max_bytes:
+        raise too_big
+    body = bytearray()
+    async for part in request.stream():
+        body += part
+        if len(body) > max_bytes:
+            raise too_big
+    try:
+        return json.loads(body)
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, an integer of over 4,300 digits
+        raise APIError(f"the request body is not valid JSON ({e})") from None
+    except RecursionError:
+        raise APIError("the request body nests too deeply to parse") from None
 
 
 def _printable(text: str | None) -> str | None:
