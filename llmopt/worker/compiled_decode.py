@@ -31,6 +31,21 @@ from llmopt.layers.gguf_linear import KERNEL_MAX_ROWS, GGUFLinear
 
 LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
+# Up to how many rows a dense linear runs the step's own matrix-vector kernel
+# (llmopt/kernels/cpu/dense_matmul.cpp) rather than torch's matmul. bfloat16 at one row: torch
+# took 47 us for SmolLM2's 960 x 576 qkv projection and 66 for its 576 x 1536 down projection
+# where the kernel takes 12 and 16, the tied 49,152 x 576 head 1.9 ms against 1.2 (Intel Xeon
+# with AMX, 2 threads, benchmarks/results/cpu_kernels.md). From 4 rows on, torch's bf16 GEMM on
+# AMX tiles is as fast or faster, so with AMX the kernel takes up to 2 rows; without AMX torch
+# widens bf16 in software (the GGUF kernels measured a bf16 matmul at 512 rows slower than their
+# own loop), and the kernel keeps up to 8 rows. float32 stays on torch's matmul at every size:
+# its one-row path already streams the weights near the bandwidth, and the same matmul as the
+# eager path keeps the compiled step's float32 greedy tokens equal to eager's (the tests hold them so).
+def dense_kernel_max_rows(dtype: torch.dtype) -> int:
+    if dtype != torch.bfloat16:
+        return 0
+    return 2 if "amx_bf16" in cpu.cpu_flags().split() else 8
+
 
 def why_not(model, kv_cache, device) -> str | None:
     """Why the compiled step cannot run this model on this pool (None when it can)."""
@@ -72,6 +87,7 @@ class CompiledDecode:
         self.windows = [0 if layer.self_attn.window is None else int(layer.self_attn.window) for layer in stack.layers]
         none = torch.empty(0, dtype=self.dtype)  # (what a layer does not have: bias, min, blocks)
         self.int8, self.max_rows = True, 1 << 30
+        self.dense_rows = dense_kernel_max_rows(self.dtype)
         for layer in stack.layers:
             self.norms += [layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach()]
             for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
@@ -96,8 +112,17 @@ class CompiledDecode:
         cos = rotary.cos[meta.positions].to(self.dtype).contiguous()
         ssin = rotary.signed_sin[meta.positions].to(self.dtype).contiguous()
         cpu.load().decode_layers(
-            h, cos, ssin, self.norms, self.tensors, self.kinds, self.int8, self.max_rows, pool.k, pool.v,
+            h, cos, ssin, self.norms, self.tensors, self.kinds, self.int8, self.max_rows, self.dense_rows, pool.k, pool.v,
             self.unit_scales, self.unit_scales, self.windows,
             meta.slot_mapping.long(), meta.block_table_tensor, meta.query_start_loc, meta.seq_lens_tensor,
             self.num_heads, self.num_kv_heads, self.head_dim, self.eps)
         return stack.norm(h)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The model's `compute_logits`, its dense head through the same kernel at a few rows:
+        SmolLM2's tied head is 49,152 x 576, the largest single weight a step reads."""
+        head = self.model.lm_head
+        if type(head) is nn.Linear and head.bias is None and hidden.shape[0] <= self.dense_rows:
+            return cpu.load().dense_matmul(hidden.contiguous(), head.weight).float()
+        return self.model.compute_logits(hidden)

@@ -75,8 +75,10 @@ class ModelRunner:
         plus one more."""
         input_ids, meta = self.prepare(scheduled)
         self.last_meta = meta
+        compute_logits = self.model.compute_logits
         if self.compiled is not None and meta.is_decode and self.compiled.model is self.model:
             hidden = self.compiled.forward(input_ids, meta)  # (a capture of this very model, not a swapped-in one)
+            compute_logits = self.compiled.compute_logits
         else:
             hidden = run_model(self.model, self.kv_cache, input_ids, meta)
         self.last_hidden = hidden  # an EAGLE head drafts from the target's features
@@ -84,7 +86,7 @@ class ModelRunner:
         self.last_slot_moves = ([], [])  # draft trees: where the accepted paths' KV moved
         if not rows:
             return {}
-        out = self.sample(rows, self.model.compute_logits(hidden[torch.tensor(index, device=hidden.device)]))
+        out = self.sample(rows, compute_logits(hidden[torch.tensor(index, device=hidden.device)]))
         move_slots(self.kv_cache, *self.last_slot_moves)
         return out
 

@@ -197,6 +197,32 @@ def test_bad_matmul_inputs_are_refused():
         GGUFBlockWeight.from_gguf_bytes(np.zeros((2, 34), np.uint8), "Q8_0", 33)
 
 
+# ---- dense weights at a few rows (the decode step's matrix-vector kernel) ---------------------------
+
+@needs_kernels
+@pytest.mark.parametrize("w_dtype,x_dtype", [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32),
+                                             (torch.float32, torch.float32)])
+@pytest.mark.parametrize("rows,k", [(1, 576), (3, 576), (5, 100), (9, 1536), (2, 7)])
+def test_dense_matmul_equals_the_float64_product(w_dtype, x_dtype, rows, k):
+    """Every row of x against every weight row, K with and without a vector-width tail, M across
+    the kernel's passes of 4 rows; the sum in float32, the result in x's dtype."""
+    g = torch.Generator().manual_seed(rows * 1000 + k)
+    w, x = torch.randn(67, k, generator=g).to(w_dtype), torch.randn(rows, k, generator=g).to(x_dtype)
+    got = cpu.load().dense_matmul(x, w)
+    want = x.double() @ w.double().T
+    assert got.dtype == x_dtype and got.shape == (rows, 67)
+    tol = TOL[x_dtype] * want.abs().max().item() + 1e-4
+    assert (got.double() - want).abs().max().item() <= tol
+
+
+@needs_kernels
+def test_bad_dense_matmul_inputs_are_refused():
+    with pytest.raises(ValueError, match="x must be .M, K. and w .N, K."):
+        cpu.load().dense_matmul(torch.randn(1, 8), torch.randn(4, 9))
+    with pytest.raises(ValueError, match="w must be bfloat16 or float32"):
+        cpu.load().dense_matmul(torch.randn(1, 8), torch.randn(4, 8).half())
+
+
 # ---- the engine on a GGUF file -----------------------------------------------------------------
 
 @pytest.fixture(scope="module")

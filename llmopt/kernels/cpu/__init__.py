@@ -23,7 +23,7 @@ import sys
 import warnings
 from pathlib import Path
 
-SOURCES = ("bindings.cpp", "gguf_matmul.cpp", "paged_attention.cpp", "decode_step.cpp")
+SOURCES = ("bindings.cpp", "dense_matmul.cpp", "gguf_matmul.cpp", "paged_attention.cpp", "decode_step.cpp")
 HEADERS = ("common.h",)
 BASE_CFLAGS = ("-O3", "-fopenmp", "-std=c++17")
 # The host's own vector instructions, unless PyTorch is pinned to an ISA (ATEN_CPU_CAPABILITY, as
@@ -52,11 +52,11 @@ def _build_key() -> str:
     h = hashlib.sha256()
     for name in SOURCES + HEADERS:
         h.update(name.encode() + (_HERE / name).read_bytes())
-    h.update(repr((cflags(), torch.__version__, sys.version, os.environ.get("CXX", ""), _cpu_flags())).encode())
+    h.update(repr((cflags(), torch.__version__, sys.version, os.environ.get("CXX", ""), cpu_flags())).encode())
     return h.hexdigest()[:16]
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
     """The host's instruction sets: -march=native code built on one CPU may not run on another
     that shares the same home directory."""
     try:
@@ -123,4 +123,4 @@ def why_unavailable() -> str | None:
     return _failed
 
 
-__all__ = ["available", "load", "cache_dir", "why_unavailable"]
+__all__ = ["available", "load", "cache_dir", "cpu_flags", "why_unavailable"]

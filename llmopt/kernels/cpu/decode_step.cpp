@@ -18,23 +18,29 @@
 namespace llmopt {
 at::Tensor gguf_matmul(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, const at::Tensor& mn,
                        int64_t type, bool int8_activations);
+at::Tensor dense_matmul(const at::Tensor& x, const at::Tensor& w);
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                            const at::Tensor& block_table, const at::Tensor& query_start_loc,
                            const at::Tensor& seq_lens, double scale, int64_t window, double k_scale, double v_scale);
 
 namespace {
 
-// One linear layer: kind 0 = a dense weight w [N, K]; else the GGUF block type (2, 3, 8) of
-// blocks (qs, d, mn), multiplied with int8 (llama.cpp's) or float activations for up to
-// max_rows rows of x, and by their dense copy w above that (as llmopt.layers.gguf_linear does).
+// One linear layer: kind 0 = a dense weight w [N, K], multiplied by dense_matmul.cpp's kernel
+// for up to dense_rows rows of x and by torch's matmul above that; else the GGUF block type
+// (2, 3, 8) of blocks (qs, d, mn), multiplied with int8 (llama.cpp's) or float activations for
+// up to max_rows rows of x, and by their dense copy w above that (as llmopt.layers.gguf_linear does).
 struct Linear {
   int64_t kind;
   at::Tensor w, qs, d, mn, bias;
   bool int8;
-  int64_t max_rows;
+  int64_t max_rows, dense_rows;
 };
 
 at::Tensor apply(const Linear& l, const at::Tensor& x) {
+  if (l.kind == 0 && x.size(0) <= l.dense_rows) {
+    at::Tensor y = dense_matmul(x, l.w);
+    return l.bias.defined() ? y + l.bias : y;
+  }
   if (l.kind == 0 || x.size(0) > l.max_rows) return at::linear(x, l.w, l.bias);
   at::Tensor y = gguf_matmul(x, l.qs, l.d, l.mn, l.kind, l.int8);
   return l.bias.defined() ? y + l.bias : y;
@@ -119,7 +125,8 @@ void run_layers(at::Tensor& h, const at::Tensor& cos, const at::Tensor& ssin, co
 // five tensors (dense weight, qs, d, mn, bias; undefined where unused) and one kind.
 void decode_layers(at::Tensor h, const at::Tensor& cos, const at::Tensor& ssin, const std::vector<at::Tensor>& norms,
                    const std::vector<at::Tensor>& linear_tensors, const std::vector<int64_t>& linear_kinds,
-                   bool int8_activations, int64_t kernel_max_rows, const std::vector<at::Tensor>& k_pools,
+                   bool int8_activations, int64_t kernel_max_rows, int64_t dense_rows,
+                   const std::vector<at::Tensor>& k_pools,
                    const std::vector<at::Tensor>& v_pools, const std::vector<double>& k_scales,
                    const std::vector<double>& v_scales, const std::vector<int64_t>& windows, const at::Tensor& slots,
                    const at::Tensor& block_table, const at::Tensor& qsl, const at::Tensor& seq_lens, int64_t num_heads,
@@ -135,7 +142,7 @@ void decode_layers(at::Tensor h, const at::Tensor& cos, const at::Tensor& ssin, 
     const auto* t = &linear_tensors[5 * i];
     // (Python passes empty tensors for the parts a layer has not: bias, min, blocks of a dense layer)
     linears.push_back({linear_kinds[i], t[0], t[1], t[2], t[3], t[4].numel() ? t[4] : at::Tensor(), int8_activations,
-                       kernel_max_rows});
+                       kernel_max_rows, dense_rows});
   }
   for (const auto& p : k_pools)
     TORCH_CHECK_VALUE(p.scalar_type() == h.scalar_type() && p.is_contiguous(), "pools must be in the model's dtype");

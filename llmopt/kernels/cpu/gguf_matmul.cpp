@@ -16,6 +16,7 @@
 // of a weight block, and a weight row (a few hundred bytes) stays in L1 while further
 // tiles of x run over it; past a few dozen rows a dense matmul wins (the caller decides).
 #include <ATen/Parallel.h>
+#include <ATen/record_function.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
@@ -283,6 +284,7 @@ static void run(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
 
 at::Tensor gguf_matmul(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
                           const at::Tensor& mn, int64_t type, bool int8_activations) {
+  RECORD_FUNCTION("llmopt::gguf_matmul", std::vector<c10::IValue>());  // a named row in torch.profiler
   check_weight(x, qs, d, mn, type);
   const int64_t M = x.size(0), N = qs.size(0);
   at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));

@@ -9,6 +9,7 @@
 // Only keys a query may see are read (position <= its own, inside the window), so nothing a
 // slot held before its token was written (another request's NaN) can reach an output.
 #include <ATen/Parallel.h>
+#include <ATen/record_function.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
@@ -75,6 +76,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const 
                               const at::Tensor& block_table, const at::Tensor& query_start_loc,
                               const at::Tensor& seq_lens, double scale, int64_t window,
                               double k_scale, double v_scale) {
+  RECORD_FUNCTION("llmopt::paged_attention", std::vector<c10::IValue>());  // a named row in torch.profiler
   TORCH_CHECK_VALUE(q.dim() == 3 && q.is_contiguous() &&
                     (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16),
                     "q must be contiguous [T, Hq, D] float32 or bfloat16, got ", q.sizes(), " ", q.scalar_type());

@@ -1,0 +1,203 @@
+// y = x @ W^T for the few rows of a decode step, W a dense bfloat16 or float32 matrix [N, K].
+//
+// Why not torch's matmul: at one to a few rows a matmul is a matrix-vector product, and all it
+// must do is read W once at the memory's speed. torch hands bfloat16 at M = 1 to a general GEMM
+// that repacks and blocks for reuse that one row cannot have: on SmolLM2 a bf16 decode step spent
+// 84% of its time in aten::mm and read its weights at a third of the machine's bandwidth
+// (benchmarks/results/roofline.md). Here each thread streams its share of W's rows front to back,
+// once, and multiplies every row of x against each weight row while it is in registers, the
+// dot products accumulated in float32 (as torch accumulates bf16 products).
+//
+// The arithmetic, by what the CPU has: with AVX512_BF16, `vdpbf16ps` multiplies 32 bf16 pairs
+// into 16 float32 sums in one instruction (x must be bf16 too); else bf16 weights are widened to
+// float32 in registers (a 16-bit shift) and multiplied by float32 x with FMAs (AVX-512 or AVX2);
+// else plain loops. float32 weights take the FMA path as they are.
+#include <ATen/Parallel.h>
+#include <ATen/record_function.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+
+#include <algorithm>
+
+#include "common.h"
+
+namespace llmopt {
+
+namespace {
+
+constexpr int MT = 4;  // rows of x per pass over W (more rows take further passes)
+
+// Each line of W is asked for this many bytes before it is used. A weight row is a few hundred
+// bytes, too short for the hardware prefetcher to ramp up on before the thread moves on: SmolLM2's
+// bf16 weights streamed through this kernel at 19 GB/s without it, 21 with 1 KB, 25 with 16 KB
+// and 24 with 32 or 64 KB, where summing a 512 MB buffer ran at 23-30 (Intel Xeon, 2 threads).
+#ifndef LLMOPT_PREFETCH_BYTES
+#define LLMOPT_PREFETCH_BYTES 16384
+#endif
+template <typename W>
+inline void prefetch(const W* p) {
+#if defined(__AVX512F__) || defined(LLMOPT_AVX2)
+  const char* c = reinterpret_cast<const char*>(p) + LLMOPT_PREFETCH_BYTES;
+  _mm_prefetch(c, _MM_HINT_T0);
+  _mm_prefetch(c + 64, _MM_HINT_T0);
+#endif
+}
+
+#if defined(__AVX512F__)
+constexpr int LANES = 16;
+using vfloat = __m512;
+inline vfloat vzero() { return _mm512_setzero_ps(); }
+inline vfloat vload(const float* p) { return _mm512_loadu_ps(p); }
+inline vfloat vload(const at::BFloat16* p) {  // 16 bf16 -> 16 fp32: the bits moved up 16
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline vfloat vfma(vfloat a, vfloat b, vfloat c) { return _mm512_fmadd_ps(a, b, c); }
+inline float vsum(vfloat v) { return _mm512_reduce_add_ps(v); }
+#elif defined(LLMOPT_AVX2)
+constexpr int LANES = 8;
+using vfloat = __m256;
+inline vfloat vzero() { return _mm256_setzero_ps(); }
+inline vfloat vload(const float* p) { return _mm256_loadu_ps(p); }
+inline vfloat vload(const at::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline vfloat vfma(vfloat a, vfloat b, vfloat c) { return _mm256_fmadd_ps(a, b, c); }
+inline float vsum(vfloat v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#endif
+
+// How a tile multiplies: one vector of W against one vector of x into an accumulator.
+// FMA: W widened to float32 (bf16 is the top half of a float32), times float32 x.
+template <typename W>
+struct FMA {
+  using X = float;
+#if defined(__AVX512F__) || defined(LLMOPT_AVX2)
+  using Acc = vfloat;
+  static constexpr int STEP = LANES;
+  static Acc zero() { return vzero(); }
+  static vfloat wload(const W* p) { return vload(p); }
+  static vfloat xload(const float* p) { return vload(p); }
+  static Acc mac(Acc a, vfloat w, vfloat x) { return vfma(w, x, a); }
+  static float sum(Acc a) { return vsum(a); }
+#else
+  using Acc = float;
+  static constexpr int STEP = 1;
+  static Acc zero() { return 0.0f; }
+  static float wload(const W* p) { return float(*p); }
+  static float xload(const float* p) { return *p; }
+  static Acc mac(Acc a, float w, float x) { return a + w * x; }
+  static float sum(Acc a) { return a; }
+#endif
+};
+
+#if defined(__AVX512BF16__)
+// bf16 x bf16: 32 products an instruction, summed in pairs into 16 float32 lanes.
+struct BF16Pairs {
+  using X = at::BFloat16;
+  using Acc = __m512;
+  static constexpr int STEP = 32;
+  static Acc zero() { return _mm512_setzero_ps(); }
+  static __m512bh wload(const at::BFloat16* p) { return (__m512bh)_mm512_loadu_si512(p); }
+  static __m512bh xload(const at::BFloat16* p) { return (__m512bh)_mm512_loadu_si512(p); }
+  static Acc mac(Acc a, __m512bh w, __m512bh x) { return _mm512_dpbf16_ps(a, w, x); }
+  static float sum(Acc a) { return _mm512_reduce_add_ps(a); }
+};
+#endif
+
+// out[r * mt + m] = dot(W row r, x row m) for R consecutive weight rows and mt rows of x (row
+// stride K for both). The R x mt accumulators are independent chains, so the loads of R rows are
+// in flight together and no sum waits on the one before it (a single row's chain, 9 steps of a
+// 576-wide bf16 row, left the memory idle: 19 GB/s). R and mt are template arguments so that
+// the accumulators are registers.
+template <class A, typename W, int R, int mt>
+void tile(const W* w, const typename A::X* x, int64_t K, float* out) {
+  typename A::Acc acc[R][mt];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < mt; ++m) acc[r][m] = A::zero();
+  int64_t k = 0;
+  for (; k + A::STEP <= K; k += A::STEP) {
+    decltype(A::wload(w)) wv[R];
+    for (int r = 0; r < R; ++r) {
+      prefetch(w + r * K + k);
+      wv[r] = A::wload(w + r * K + k);
+    }
+    for (int m = 0; m < mt; ++m) {
+      const auto xv = A::xload(x + m * K + k);
+      for (int r = 0; r < R; ++r) acc[r][m] = A::mac(acc[r][m], wv[r], xv);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < mt; ++m) {
+      float tail = 0.0f;
+      for (int64_t j = k; j < K; ++j) tail += float(w[r * K + j]) * float(x[m * K + j]);
+      out[r * mt + m] = A::sum(acc[r][m]) + tail;
+    }
+}
+
+// Weight rows r0.. (R of them, or 1 at the end of a thread's share) against x rows m0..m0+mt.
+template <class A, typename W, int mt>
+void rows(const W* w, const typename A::X* x, int64_t K, int64_t N, int64_t n, int64_t n1, int64_t m0, float* y) {
+  constexpr int R = mt <= 2 ? 4 : 2;  // accumulators R x mt: 4 to 8, within the registers of AVX2
+  float out[R * mt];
+  for (; n + R <= n1; n += R) {
+    tile<A, W, R, mt>(w + n * K, x + m0 * K, K, out);
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < mt; ++m) y[(m0 + m) * N + n + r] = out[r * mt + m];
+  }
+  for (; n < n1; ++n) {
+    tile<A, W, 1, mt>(w + n * K, x + m0 * K, K, out);
+    for (int m = 0; m < mt; ++m) y[(m0 + m) * N + n] = out[m];
+  }
+}
+
+// Threads split W's rows; each reads its share once per MT rows of x.
+template <class A, typename W>
+void run(const W* w, const typename A::X* x, int64_t M, int64_t N, int64_t K, float* y) {
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t m0 = 0; m0 < M; m0 += MT) {
+      switch (std::min<int64_t>(MT, M - m0)) {
+        case 1: rows<A, W, 1>(w, x, K, N, n0, n1, m0, y); break;
+        case 2: rows<A, W, 2>(w, x, K, N, n0, n1, m0, y); break;
+        case 3: rows<A, W, 3>(w, x, K, N, n0, n1, m0, y); break;
+        default: rows<A, W, 4>(w, x, K, N, n0, n1, m0, y);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+at::Tensor dense_matmul(const at::Tensor& x, const at::Tensor& w) {
+  RECORD_FUNCTION("llmopt::dense_matmul", std::vector<c10::IValue>());  // a named row in torch.profiler
+  TORCH_CHECK_VALUE(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1),
+                    "x must be [M, K] and w [N, K], got ", x.sizes(), " and ", w.sizes());
+  TORCH_CHECK_VALUE(w.scalar_type() == at::kBFloat16 || w.scalar_type() == at::kFloat,
+                    "w must be bfloat16 or float32, got ", w.scalar_type());
+  TORCH_CHECK_VALUE(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
+                    "x must be bfloat16 or float32, got ", x.scalar_type());
+  const at::Tensor wc = w.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
+  float* yp = y.data_ptr<float>();
+#if defined(__AVX512BF16__)
+  if (w.scalar_type() == at::kBFloat16 && x.scalar_type() == at::kBFloat16) {
+    const at::Tensor xc = x.contiguous();
+    run<BF16Pairs>(wc.data_ptr<at::BFloat16>(), xc.data_ptr<at::BFloat16>(), M, N, K, yp);
+    return y.to(x.scalar_type());
+  }
+#endif
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  if (w.scalar_type() == at::kBFloat16)
+    run<FMA<at::BFloat16>>(wc.data_ptr<at::BFloat16>(), xf.data_ptr<float>(), M, N, K, yp);
+  else
+    run<FMA<float>>(wc.data_ptr<float>(), xf.data_ptr<float>(), M, N, K, yp);
+  return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+}
+
+}  // namespace llmopt
