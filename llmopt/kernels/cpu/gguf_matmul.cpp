@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "common.h"
+#include "gguf_vnni.h"
 
 namespace llmopt {
 
@@ -206,6 +207,40 @@ static void dot_row_f32(const uint8_t* w, const uint16_t* wd, const uint16_t* wm
   for (int m = 0; m < MT; ++m) out[m] = acc[m];
 }
 
+#ifdef LLMOPT_VNNI512
+// Weight rows n..n1 against x rows m0..m0 + MT through the VNNI tile (gguf_vnni.h), R rows of W
+// at a time (1 for the last few of a thread's share).
+template <int64_t TYPE, int R, int MT>
+static void vnni_rows(const uint8_t* wq, const uint16_t* wd, const uint16_t* wm, int64_t nb, int64_t N,
+                      const QuantizedRow* xs, int64_t n, int64_t n1, int64_t m0, float* y) {
+  constexpr int64_t BYTES = TYPE == Q8_0 ? 32 : 16;
+  float out[R * MT];
+  for (; n + R <= n1; n += R) {
+    vnni::tile<TYPE, R, MT>(wq + n * nb * BYTES, wd + n * nb, wm ? wm + n * nb : nullptr, nb, nb, xs + m0, out);
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < MT; ++m) y[(m0 + m) * N + n + r] = out[r * MT + m];
+  }
+  for (; n < n1; ++n) {
+    vnni::tile<TYPE, 1, MT>(wq + n * nb * BYTES, wd + n * nb, wm ? wm + n * nb : nullptr, nb, nb, xs + m0, out);
+    for (int m = 0; m < MT; ++m) y[(m0 + m) * N + n] = out[m];
+  }
+}
+
+// All M rows of x in passes of 4 (R x MT accumulators: 4 x 1 for one row, 2 x 4 for more).
+template <int64_t TYPE>
+static void vnni_all(const uint8_t* wq, const uint16_t* wd, const uint16_t* wm, int64_t nb, int64_t N, int64_t M,
+                     const QuantizedRow* xs, int64_t n0, int64_t n1, float* y) {
+  for (int64_t m0 = 0; m0 < M; m0 += 4) {
+    switch (std::min<int64_t>(4, M - m0)) {
+      case 1: vnni_rows<TYPE, 4, 1>(wq, wd, wm, nb, N, xs, n0, n1, m0, y); break;
+      case 2: vnni_rows<TYPE, 2, 2>(wq, wd, wm, nb, N, xs, n0, n1, m0, y); break;
+      case 3: vnni_rows<TYPE, 2, 3>(wq, wd, wm, nb, N, xs, n0, n1, m0, y); break;
+      default: vnni_rows<TYPE, 2, 4>(wq, wd, wm, nb, N, xs, n0, n1, m0, y);
+    }
+  }
+}
+#endif
+
 static void check_weight(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
                          const at::Tensor& mn, int64_t type) {
   TORCH_CHECK_VALUE(type == Q8_0 || type == Q4_0 || type == Q4_1,
@@ -242,7 +277,13 @@ static void run(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
   const uint8_t* wq = qs.data_ptr<uint8_t>();
   const uint16_t* wd = reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>());
   const uint16_t* wm = TYPE == Q4_1 ? reinterpret_cast<const uint16_t*>(mn.data_ptr<at::Half>()) : nullptr;
+  std::vector<QuantizedRow> xrows;
+  for (int64_t m = 0; int8_activations && m < M; ++m)
+    xrows.push_back({xq.data() + m * K, xd.data() + m * nb, xsum.data() + m * nb});
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+#ifdef LLMOPT_VNNI512
+    if (int8_activations && nb % 2 == 0) return vnni_all<TYPE>(wq, wd, wm, nb, N, M, xrows.data(), n0, n1, y);
+#endif
     int64_t n = n0;
     if (int8_activations && M == 1 && N * nb * BYTES <= MULTI_ROW_MAX_BYTES) {
       const QuantizedRow x{xq.data(), xd.data(), xsum.data()};
