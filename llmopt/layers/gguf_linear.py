@@ -19,9 +19,11 @@ from llmopt.kernels.cpu.gguf_blocks import ACTIVATIONS, MATMUL_DTYPES, GGUFBlock
 # Up to this many rows of x the block kernel beats the dense matmul in x's dtype (gate_up
 # 3072 x 576 on 2 AVX2 cores, benchmarks/results/cpu_kernels.md): fp32 dense takes over past
 # 32 rows (64 rows: 2.6 ms dense, 3.3 ms kernel); a bf16 matmul without native bf16
-# instructions is slower than the kernel even at 512 rows (107 vs 29 ms). On a CPU with
-# AVX512_BF16 or AMX the bf16 figure is worth measuring again.
-KERNEL_MAX_ROWS = {torch.float32: 32, torch.bfloat16: 512}
+# instructions is slower than the kernel even at 512 rows (107 vs 29 ms). With AMX, torch's bf16
+# matmul runs on tile units: all of SmolLM2's linears at 16 rows took 22 ms dense against 23
+# through the blocks (AVX512_VNNI), at 64 rows 29 against 86 (Intel Xeon, 2 threads), so there
+# the dense copy takes over past 16 rows.
+KERNEL_MAX_ROWS = {torch.float32: 32, torch.bfloat16: 16 if "amx_bf16" in cpu.cpu_flags().split() else 512}
 
 
 class GGUFLinear(nn.Module):

@@ -210,9 +210,9 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const 
             l[r] *= corr;
             for (int64_t j = 0; j < D; ++j) ar[j] *= corr;
           }
+          l[r] += exp_shifted_sum(s.data() + (a - p0), b - a, mx);
           for (int64_t p = a; p < b; ++p) {
-            const float e = std::exp(s[p - p0] - mx);
-            l[r] += e;
+            const float e = s[p - p0];
             const float* vr = vf.data() + (p - p0) * D;
 #pragma omp simd
             for (int64_t j = 0; j < D; ++j) ar[j] += e * vr[j];
