@@ -46,15 +46,33 @@ at::Tensor apply(const Linear& l, const at::Tensor& x) {
   return l.bias.defined() ? y + l.bias : y;
 }
 
-// RMSNorm and SiLU through the same ATen kernels the eager modules call (llmopt/layers/norm.py,
-// the MLP's F.silu): a sum in another order, or another exp, differs in the last bit, and the
-// GGUF kernels' int8 rounding of activations turns such a bit into a different token.
+// RMSNorm as llmopt/layers/norm.py computes it, bit for bit: in float32, x * rsqrt(mean(x^2) + eps),
+// rounded to the model's dtype, times the weight. The one sum goes through ATen's mean (its order
+// of additions is the eager path's; another order differs in the last bit, and the GGUF kernels'
+// int8 rounding of activations can turn such a bit into a different token); the rest are single
+// IEEE operations (x * x, +, 1 / sqrt, *), the same in any loop. Eight ATen calls become one.
+template <typename T>
 at::Tensor rms_norm(const at::Tensor& h, const at::Tensor& w, double eps) {
-  at::Tensor x = h.to(at::kFloat);
-  x = x * at::rsqrt(x.pow(2).mean(-1, true) + eps);
-  return w * x.to(h.scalar_type());
+  const int64_t rows = h.size(0), H = h.size(1);
+  TORCH_CHECK_VALUE(w.scalar_type() == h.scalar_type() && w.is_contiguous() && w.numel() == H,
+                    "the norm weights must be contiguous [hidden] in the model's dtype");
+  at::Tensor sq = at::empty({rows, H}, h.options().dtype(at::kFloat));
+  const T* x = h.data_ptr<T>();
+  float* q = sq.data_ptr<float>();
+  for (int64_t i = 0; i < rows * H; ++i) q[i] = float(x[i]) * float(x[i]);
+  const at::Tensor ms = at::mean(sq, -1, true);
+  const float* mp = ms.data_ptr<float>();
+  const T* wp = w.data_ptr<T>();
+  at::Tensor out = at::empty_like(h);
+  T* o = out.data_ptr<T>();
+  for (int64_t t = 0; t < rows; ++t) {
+    const float r = 1.0f / std::sqrt(mp[t] + float(eps));
+    for (int64_t j = 0; j < H; ++j) o[t * H + j] = T(float(wp[j]) * float(T(float(x[t * H + j]) * r)));
+  }
+  return out;
 }
 
+// SiLU through the ATen kernel the eager MLP calls (F.silu): its exp is Sleef's, not std::exp.
 // q * cos + swap_halves(q) * signed_sin, in place, each product rounded as torch rounds it.
 template <typename T>
 void rope(T* x, const T* cos, const T* ssin, int64_t tokens, int64_t heads, int64_t d, int64_t stride) {
@@ -96,7 +114,7 @@ void run_layers(at::Tensor& h, const at::Tensor& cos, const at::Tensor& ssin, co
   const int64_t q_size = Hq * D, kv_size = Hkv * D;
   const double scale = 1.0 / std::sqrt(double(D));
   for (int64_t l = 0; l < L; ++l) {
-    at::Tensor x = rms_norm(h, norms[2 * l], eps);
+    at::Tensor x = rms_norm<T>(h, norms[2 * l], eps);
     at::Tensor qkv = apply(linears[4 * l], x).contiguous();          // [T, q + 2 kv]
     T* p = qkv.data_ptr<T>();
     const int64_t stride = q_size + 2 * kv_size;
@@ -109,7 +127,7 @@ void run_layers(at::Tensor& h, const at::Tensor& cos, const at::Tensor& ssin, co
                                       k_scales[l], v_scales[l]);
     at::Tensor o = apply(linears[4 * l + 1], attn.view({T_, q_size})).contiguous();
     add_into<T>(h.data_ptr<T>(), o.data_ptr<T>(), T_ * H);
-    x = rms_norm(h, norms[2 * l + 1], eps);
+    x = rms_norm<T>(h, norms[2 * l + 1], eps);
     at::Tensor gu = apply(linears[4 * l + 2], x);                     // [T, 2 * intermediate]
     const int64_t inter = gu.size(1) / 2;
     at::Tensor act = (at::silu(gu.narrow(1, 0, inter)) * gu.narrow(1, inter, inter)).contiguous();
