@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "common.h"
+#include "paged_attention_decode.h"
 
 namespace llmopt {
 
@@ -182,6 +183,19 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const 
             dst[j] = (q_bf16 ? bf16_to_float(static_cast<const uint16_t*>(qp)[src + j])
                              : static_cast<const float*>(qp)[src + j]);
         }
+      bool in_registers = false;  // one new token's rows: paged_attention_decode.h
+#ifdef LLMOPT_ATTN_DECODE512
+      if (nq == 1 && (fmt == KV_F32 || fmt == KV_BF16)) {
+        const int32_t* blocks = table + it.seq * max_blocks;
+        auto row_at = [&](int64_t p) { return ((size_t(blocks[p / BS]) * BS + p % BS) * Hkv + it.kv_head) * D * elem; };
+        in_registers = fmt == KV_BF16
+            ? attn::decode_item_any<true>(rows, D, qf.data(), kbase, vbase, it.k0, it.k1, BS, fscale, row_at,
+                                          m.data(), l.data(), acc.data())
+            : attn::decode_item_any<false>(rows, D, qf.data(), kbase, vbase, it.k0, it.k1, BS, fscale, row_at,
+                                           m.data(), l.data(), acc.data());
+      }
+#endif
+      if (!in_registers) {
       std::fill(m.begin(), m.begin() + rows, -std::numeric_limits<float>::infinity());
       std::fill(l.begin(), l.begin() + rows, 0.0f);
       std::fill(acc.begin(), acc.begin() + rows * D, 0.0f);
@@ -220,6 +234,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const 
           m[r] = mx;
         }
         p0 = p1;
+      }
       }
       if (it.part >= 0) {
         float* sp = scratch.data() + it.part * rows_max * (D + 2);
