@@ -41,6 +41,7 @@ struct QuantizedRow {
   const int8_t* q;
   const float* d;
   const float* s;
+  const int32_t* c = nullptr;  // VNNI with signed weight codes: -bias * (sum of each 4 values of q)
 };
 
 static void quantize_row_q8(const float* x, int64_t K, int8_t* q, float* d_out, float* s_out) {
@@ -277,9 +278,18 @@ static void run(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
   const uint8_t* wq = qs.data_ptr<uint8_t>();
   const uint16_t* wd = reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>());
   const uint16_t* wm = TYPE == Q4_1 ? reinterpret_cast<const uint16_t*>(mn.data_ptr<at::Half>()) : nullptr;
+  std::vector<int32_t> xc;
+#ifdef LLMOPT_VNNI512
+  if (int8_activations && TYPE != Q4_1) {  // gguf_vnni.h: signed codes run as codes + bias, minus this
+    xc.resize(M * K / 4);
+    const int32_t bias = vnni::code_bias(TYPE);
+    for (int64_t i = 0; i < M * K / 4; ++i)
+      xc[i] = -bias * (int32_t(xq[4 * i]) + xq[4 * i + 1] + xq[4 * i + 2] + xq[4 * i + 3]);
+  }
+#endif
   std::vector<QuantizedRow> xrows;
   for (int64_t m = 0; int8_activations && m < M; ++m)
-    xrows.push_back({xq.data() + m * K, xd.data() + m * nb, xsum.data() + m * nb});
+    xrows.push_back({xq.data() + m * K, xd.data() + m * nb, xsum.data() + m * nb, xc.empty() ? nullptr : xc.data() + m * K / 4});
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
 #ifdef LLMOPT_VNNI512
     if (int8_activations && nb % 2 == 0) return vnni_all<TYPE>(wq, wd, wm, nb, N, M, xrows.data(), n0, n1, y);
