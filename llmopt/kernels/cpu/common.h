@@ -66,13 +66,13 @@ inline float round_to_fp16(float f) {
 }
 
 
-// s[i] = exp(s[i] - mx) for i < n, in place; returns their sum. Softmax's exponentials, 16 (or 8)
-// at a time: a scalar std::exp per key was most of a decode step's attention (the polynomial is
-// Cephes' expf on [-ln2/2, ln2/2], within 2 ulp of it; inputs are <= 0, and below -87 the
-// AVX2 path returns exp(-87) ~ 1.6e-38 where the exact value is smaller still).
-inline float exp_shifted_sum(float* s, int64_t n, float mx) {
+// s[i] = exp(s[i] - mx) for i < n, in place, each added to l (one at a time, in order, without AVX-512). Softmax's exponentials: with
+// AVX-512, 16 at a time (Cephes' expf polynomial on [-ln2/2, ln2/2], within 2 ulp of std::exp),
+// which took about 10% off a 64-sequence decode step's attention. Elsewhere std::exp, one at a
+// time: the lessons pin AVX2 (lessons/README) and their stored outputs were computed with it, so
+// an AVX2 polynomial would change the last bits of every attention output they show.
+inline void exp_shifted_add(float* s, int64_t n, float mx, float& l) {
   int64_t i = 0;
-  float total = 0.0f;
 #if defined(__AVX512F__)
   const __m512 vmx = _mm512_set1_ps(mx);
   __m512 vsum = _mm512_setzero_ps();
@@ -93,37 +93,12 @@ inline float exp_shifted_sum(float* s, int64_t n, float mx) {
     _mm512_storeu_ps(s + i, e);
     vsum = _mm512_add_ps(vsum, e);
   }
-  total = _mm512_reduce_add_ps(vsum);
-#elif defined(LLMOPT_AVX2)
-  const __m256 vmx = _mm256_set1_ps(mx);
-  __m256 vsum = _mm256_setzero_ps();
-  for (; i + 8 <= n; i += 8) {
-    const __m256 x = _mm256_max_ps(_mm256_sub_ps(_mm256_loadu_ps(s + i), vmx), _mm256_set1_ps(-87.0f));
-    const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(k, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
-    const __m256 e = _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
-    _mm256_storeu_ps(s + i, e);
-    vsum = _mm256_add_ps(vsum, e);
-  }
-  __m128 h = _mm_add_ps(_mm256_castps256_ps128(vsum), _mm256_extractf128_ps(vsum, 1));
-  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-  total = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+  l += _mm512_reduce_add_ps(vsum);
 #endif
   for (; i < n; ++i) {
     s[i] = std::exp(s[i] - mx);
-    total += s[i];
+    l += s[i];
   }
-  return total;
 }
 
 }  // namespace llmopt

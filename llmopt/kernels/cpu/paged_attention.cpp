@@ -20,7 +20,7 @@
 #include <vector>
 
 #include "common.h"
-#include "paged_attention_decode.h"
+#include "paged_attention_avx512.h"
 
 namespace llmopt {
 
@@ -171,6 +171,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const 
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     std::vector<float> qf(rows_max * D), acc(rows_max * D), kf(BS * D), vf(BS * D), s(BS);
     std::vector<float> m(rows_max), l(rows_max);
+    std::vector<float> kT((BS + 15) / 16 * 16 * D);
     for (int64_t idx; (idx = next.fetch_add(1)) < int64_t(items.size());) {
       const Item& it = items[idx];
       const int64_t nq = it.q1 - it.q0, rows = nq * G, L = lens[it.seq];
@@ -183,8 +184,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const 
             dst[j] = (q_bf16 ? bf16_to_float(static_cast<const uint16_t*>(qp)[src + j])
                              : static_cast<const float*>(qp)[src + j]);
         }
-      bool in_registers = false;  // one new token's rows: paged_attention_decode.h
-#ifdef LLMOPT_ATTN_DECODE512
+      bool in_registers = false;  // one new token's rows (paged_attention_avx512.h, 1)
+#ifdef LLMOPT_ATTN_AVX512
       if (nq == 1 && (fmt == KV_F32 || fmt == KV_BF16)) {
         const int32_t* blocks = table + it.seq * max_blocks;
         auto row_at = [&](int64_t p) { return ((size_t(blocks[p / BS]) * BS + p % BS) * Hkv + it.kv_head) * D * elem; };
@@ -207,6 +208,18 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const 
           load_row(kbase + off, fmt, lut, ks, D, kf.data() + (p - p0) * D);
           load_row(vbase + off, fmt, lut, vs, D, vf.data() + (p - p0) * D);
         }
+#ifdef LLMOPT_ATTN_AVX512
+        auto range = [&](int64_t r) {  // row r's visible keys in this block (as below)
+          const int64_t pos = first_pos + r / G;
+          return std::pair<int64_t, int64_t>(std::max(p0, window > 0 ? pos - window + 1 : int64_t(0)),
+                                             std::min(p1, pos + 1));
+        };
+        if (attn::block_rows_tiled(qf.data(), rows, D, kf.data(), vf.data(), p0, p1 - p0, fscale, range, m.data(),
+                                   l.data(), acc.data(), kT.data())) {  // (paged_attention_avx512.h, 2)
+          p0 = p1;
+          continue;
+        }
+#endif
         for (int64_t r = 0; r < rows; ++r) {
           const int64_t pos = first_pos + r / G;   // this query's position
           const int64_t a = std::max(p0, window > 0 ? pos - window + 1 : int64_t(0));
@@ -224,7 +237,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const 
             l[r] *= corr;
             for (int64_t j = 0; j < D; ++j) ar[j] *= corr;
           }
-          l[r] += exp_shifted_sum(s.data() + (a - p0), b - a, mx);
+          exp_shifted_add(s.data() + (a - p0), b - a, mx, l[r]);
           for (int64_t p = a; p < b; ++p) {
             const float e = s[p - p0];
             const float* vr = vf.data() + (p - p0) * D;
