@@ -32,19 +32,16 @@ from llmopt.layers.gguf_linear import KERNEL_MAX_ROWS, GGUFLinear
 LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 # Up to how many rows a dense linear runs the step's own matrix-vector kernel
-# (llmopt/kernels/cpu/dense_matmul.cpp) rather than torch's matmul. bfloat16 at one row: torch
-# took 47 us for SmolLM2's 960 x 576 qkv projection and 66 for its 576 x 1536 down projection
-# where the kernel takes 12 and 16, the tied 49,152 x 576 head 1.9 ms against 1.2 (Intel Xeon
-# with AMX, 2 threads, benchmarks/results/cpu_kernels.md). From 4 rows on, torch's bf16 GEMM on
-# AMX tiles is as fast or faster, so with AMX the kernel takes up to 2 rows; without AMX torch
-# widens bf16 in software (the GGUF kernels measured a bf16 matmul at 512 rows slower than their
-# own loop), and the kernel keeps up to 8 rows. float32 stays on torch's matmul at every size:
-# its one-row path already streams the weights near the bandwidth, and the same matmul as the
-# eager path keeps the compiled step's float32 greedy tokens equal to eager's (the tests hold them so).
+# (llmopt/kernels/cpu/dense_matmul.cpp) rather than torch's matmul. bfloat16: all of SmolLM2's
+# linears and its tied head, one after another as a step reads them (269 MB), took 9.9 ms through
+# the kernel at one row of x and 15.2 at eight, against 20.6 and 21.0 through torch's matmul, AMX
+# tiles and all (Intel Xeon, 2 threads; without AMX torch widens bf16 in software and is slower
+# still). From 16 rows torch's blocked GEMM wins, so the kernel takes up to 8. float32 stays on
+# torch's matmul at every size: its one-row path already streams the weights near the bandwidth,
+# and the same matmul as the eager path keeps the compiled step's float32 greedy tokens equal to
+# eager's (the tests hold them so).
 def dense_kernel_max_rows(dtype: torch.dtype) -> int:
-    if dtype != torch.bfloat16:
-        return 0
-    return 2 if "amx_bf16" in cpu.cpu_flags().split() else 8
+    return 8 if dtype == torch.bfloat16 else 0
 
 
 def why_not(model, kv_cache, device) -> str | None:

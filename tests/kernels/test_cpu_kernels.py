@@ -185,6 +185,19 @@ def test_int8_activations_equal_their_emulation_and_approach_the_dense_product(k
 
 
 @needs_kernels
+@pytest.mark.parametrize("kind", GGUF_TYPES)
+@pytest.mark.parametrize("rows", [1, 6])
+@pytest.mark.parametrize("cols", [96, 544])
+def test_int8_activations_with_an_odd_number_of_blocks_per_row(kind, rows, cols):
+    """AVX512_VNNI takes blocks two at a time (gguf_vnni.h); a row of 3 or 17 blocks takes the
+    AVX2 loop instead, with the same arithmetic."""
+    w, _ = gguf_weight(kind, rows=70, cols=cols, seed=cols)
+    x = activations(rows, cols=cols, seed=rows)
+    emulated = w.emulate_int8(x)
+    assert (w.matmul(x).double() - emulated).abs().max() <= 1e-6 * emulated.abs().max()
+
+
+@needs_kernels
 def test_bad_matmul_inputs_are_refused():
     w, _ = gguf_weight("Q8_0")
     with pytest.raises(ValueError, match="x has K"):

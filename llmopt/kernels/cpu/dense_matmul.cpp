@@ -25,7 +25,13 @@ namespace llmopt {
 
 namespace {
 
-constexpr int MT = 4;  // rows of x per pass over W (more rows take further passes)
+// Rows of x per pass over W (more rows take further passes, each reading W again): 8 where there
+// are 32 vector registers (AVX-512: 2 x 8 accumulators), 4 with AVX2's 16.
+#if defined(__AVX512F__)
+constexpr int MT = 8;
+#else
+constexpr int MT = 4;
+#endif
 
 // Each line of W is asked for this many bytes before it is used. A weight row is a few hundred
 // bytes, too short for the hardware prefetcher to ramp up on before the thread moves on: SmolLM2's
@@ -143,7 +149,7 @@ void tile(const W* w, const typename A::X* x, int64_t K, float* out) {
 // Weight rows r0.. (R of them, or 1 at the end of a thread's share) against x rows m0..m0+mt.
 template <class A, typename W, int mt>
 void rows(const W* w, const typename A::X* x, int64_t K, int64_t N, int64_t n, int64_t n1, int64_t m0, float* y) {
-  constexpr int R = mt <= 2 ? 4 : 2;  // accumulators R x mt: 4 to 8, within the registers of AVX2
+  constexpr int R = mt <= 2 ? 4 : 2;  // accumulators R x mt: 4 to 8 (16 with AVX-512, which has 32 registers)
   float out[R * mt];
   for (; n + R <= n1; n += R) {
     tile<A, W, R, mt>(w + n * K, x + m0 * K, K, out);
@@ -165,7 +171,13 @@ void run(const W* w, const typename A::X* x, int64_t M, int64_t N, int64_t K, fl
         case 1: rows<A, W, 1>(w, x, K, N, n0, n1, m0, y); break;
         case 2: rows<A, W, 2>(w, x, K, N, n0, n1, m0, y); break;
         case 3: rows<A, W, 3>(w, x, K, N, n0, n1, m0, y); break;
-        default: rows<A, W, 4>(w, x, K, N, n0, n1, m0, y);
+        case 4: rows<A, W, 4>(w, x, K, N, n0, n1, m0, y); break;
+#if defined(__AVX512F__)
+        case 5: rows<A, W, 5>(w, x, K, N, n0, n1, m0, y); break;
+        case 6: rows<A, W, 6>(w, x, K, N, n0, n1, m0, y); break;
+        case 7: rows<A, W, 7>(w, x, K, N, n0, n1, m0, y); break;
+        case 8: rows<A, W, 8>(w, x, K, N, n0, n1, m0, y); break;
+#endif
       }
     }
   });
