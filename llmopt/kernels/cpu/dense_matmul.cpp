@@ -147,36 +147,38 @@ void tile(const W* w, const typename A::X* x, int64_t K, float* out) {
 }
 
 // Weight rows r0.. (R of them, or 1 at the end of a thread's share) against x rows m0..m0+mt.
-template <class A, typename W, int mt>
-void rows(const W* w, const typename A::X* x, int64_t K, int64_t N, int64_t n, int64_t n1, int64_t m0, float* y) {
+// y is written in x's dtype (a bf16 result rounded to nearest even, as .to(bfloat16) rounds), so
+// no second pass converts it.
+template <class A, typename W, int mt, typename Y>
+void rows(const W* w, const typename A::X* x, int64_t K, int64_t N, int64_t n, int64_t n1, int64_t m0, Y* y) {
   constexpr int R = mt <= 2 ? 4 : 2;  // accumulators R x mt: 4 to 8 (16 with AVX-512, which has 32 registers)
   float out[R * mt];
   for (; n + R <= n1; n += R) {
     tile<A, W, R, mt>(w + n * K, x + m0 * K, K, out);
     for (int r = 0; r < R; ++r)
-      for (int m = 0; m < mt; ++m) y[(m0 + m) * N + n + r] = out[r * mt + m];
+      for (int m = 0; m < mt; ++m) y[(m0 + m) * N + n + r] = Y(out[r * mt + m]);
   }
   for (; n < n1; ++n) {
     tile<A, W, 1, mt>(w + n * K, x + m0 * K, K, out);
-    for (int m = 0; m < mt; ++m) y[(m0 + m) * N + n] = out[m];
+    for (int m = 0; m < mt; ++m) y[(m0 + m) * N + n] = Y(out[m]);
   }
 }
 
 // Threads split W's rows; each reads its share once per MT rows of x.
-template <class A, typename W>
-void run(const W* w, const typename A::X* x, int64_t M, int64_t N, int64_t K, float* y) {
+template <class A, typename W, typename Y>
+void run(const W* w, const typename A::X* x, int64_t M, int64_t N, int64_t K, Y* y) {
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     for (int64_t m0 = 0; m0 < M; m0 += MT) {
       switch (std::min<int64_t>(MT, M - m0)) {
-        case 1: rows<A, W, 1>(w, x, K, N, n0, n1, m0, y); break;
-        case 2: rows<A, W, 2>(w, x, K, N, n0, n1, m0, y); break;
-        case 3: rows<A, W, 3>(w, x, K, N, n0, n1, m0, y); break;
-        case 4: rows<A, W, 4>(w, x, K, N, n0, n1, m0, y); break;
+        case 1: rows<A, W, 1, Y>(w, x, K, N, n0, n1, m0, y); break;
+        case 2: rows<A, W, 2, Y>(w, x, K, N, n0, n1, m0, y); break;
+        case 3: rows<A, W, 3, Y>(w, x, K, N, n0, n1, m0, y); break;
+        case 4: rows<A, W, 4, Y>(w, x, K, N, n0, n1, m0, y); break;
 #if defined(__AVX512F__)
-        case 5: rows<A, W, 5>(w, x, K, N, n0, n1, m0, y); break;
-        case 6: rows<A, W, 6>(w, x, K, N, n0, n1, m0, y); break;
-        case 7: rows<A, W, 7>(w, x, K, N, n0, n1, m0, y); break;
-        case 8: rows<A, W, 8>(w, x, K, N, n0, n1, m0, y); break;
+        case 5: rows<A, W, 5, Y>(w, x, K, N, n0, n1, m0, y); break;
+        case 6: rows<A, W, 6, Y>(w, x, K, N, n0, n1, m0, y); break;
+        case 7: rows<A, W, 7, Y>(w, x, K, N, n0, n1, m0, y); break;
+        case 8: rows<A, W, 8, Y>(w, x, K, N, n0, n1, m0, y); break;
 #endif
       }
     }
@@ -195,21 +197,24 @@ at::Tensor dense_matmul(const at::Tensor& x, const at::Tensor& w) {
                     "x must be bfloat16 or float32, got ", x.scalar_type());
   const at::Tensor wc = w.contiguous();
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
-  float* yp = y.data_ptr<float>();
+  at::Tensor y = at::empty({M, N}, x.options());
 #if defined(__AVX512BF16__)
   if (w.scalar_type() == at::kBFloat16 && x.scalar_type() == at::kBFloat16) {
     const at::Tensor xc = x.contiguous();
-    run<BF16Pairs>(wc.data_ptr<at::BFloat16>(), xc.data_ptr<at::BFloat16>(), M, N, K, yp);
-    return y.to(x.scalar_type());
+    run<BF16Pairs>(wc.data_ptr<at::BFloat16>(), xc.data_ptr<at::BFloat16>(), M, N, K, y.data_ptr<at::BFloat16>());
+    return y;
   }
 #endif
   const at::Tensor xf = x.to(at::kFloat).contiguous();
-  if (w.scalar_type() == at::kBFloat16)
-    run<FMA<at::BFloat16>>(wc.data_ptr<at::BFloat16>(), xf.data_ptr<float>(), M, N, K, yp);
-  else
-    run<FMA<float>>(wc.data_ptr<float>(), xf.data_ptr<float>(), M, N, K, yp);
-  return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+  auto go = [&](auto* out) {
+    if (w.scalar_type() == at::kBFloat16)
+      run<FMA<at::BFloat16>>(wc.data_ptr<at::BFloat16>(), xf.data_ptr<float>(), M, N, K, out);
+    else
+      run<FMA<float>>(wc.data_ptr<float>(), xf.data_ptr<float>(), M, N, K, out);
+  };
+  if (x.scalar_type() == at::kFloat) go(y.data_ptr<float>());
+  else go(y.data_ptr<at::BFloat16>());
+  return y;
 }
 
 }  // namespace llmopt

@@ -54,6 +54,14 @@ void decode_item(const float* q, const char* kbase, const char* vbase, int64_t k
   alignas(64) float s[R][64];
   for (int64_t p0 = k0; p0 < k1;) {
     const int64_t p1 = std::min(k1, (p0 / BS + 1) * BS), n = p1 - p0;  // keys of one block (<= 64)
+    // the next block's rows, asked for now: one head's rows are 1 / Hkv of each block's bytes,
+    // scattered, which the hardware prefetcher does not follow (8 x 140 keys: 105 us a layer without)
+    constexpr int64_t ROW_BYTES = NV * 16 * (BF16 ? 2 : 4);
+    for (int64_t p = p1; p < std::min(k1, p1 + BS); ++p)
+      for (int64_t b = 0; b < ROW_BYTES; b += 64) {
+        _mm_prefetch(kbase + row_at(p) + b, _MM_HINT_T0);
+        _mm_prefetch(vbase + row_at(p) + b, _MM_HINT_T0);
+      }
     for (int64_t p = p0; p < p1; ++p) {
       __m512 kv[NV];
       load_row<NV, BF16>(kbase + row_at(p), kv);
