@@ -136,8 +136,10 @@ def markdown(info: dict, mm: list[dict], cross: list[dict], att: list[dict]) -> 
     lines = ["# CPU kernels: GGUF blocks and paged attention (llmopt/kernels/cpu)", "",
              f"{info['cpu']}, {info['threads']} threads, vector ISA {info['simd']}, torch {info['torch']}; "
              f"load average {info['load'][0]:.2f} before, {info['load'][1]:.2f} after. Read bandwidth "
-             f"(sum over 1 GiB): **{info['read_GBps']:.1f} GB/s**. First build of the kernels: "
-             f"{info['build_s']:.0f} s here; later processes load them in {info['load_s'] * 1e3:.0f} ms. "
+             f"(sum over 1 GiB): **{info['read_GBps']:.1f} GB/s**. "
+             + (f"First build of the kernels: {info['build_s']:.0f} s here; " if info['build_s'] == info['build_s']
+                else "The kernels were built before this run (set BUILD_S to record a build's time); ")
+             + f"later processes load them in {info['load_s'] * 1e3:.0f} ms. "
              "Medians of repeated calls; GB/s = bytes the call must read / its time.", "",
              "## x @ W^T: GGUF blocks (int8 activations, llama.cpp's arithmetic) vs dense bf16", "",
              "bf16 = torch's matmul; bf16 kernel = dense_matmul.cpp, what the compiled decode step multiplies "
