@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import platform
 import random
 import shlex
@@ -31,6 +32,7 @@ from pathlib import Path
 import torch
 
 from llmopt import LLM, SamplingParams
+from llmopt.bench.common import cpu_name, load_average
 from llmopt.eval import window_nll
 from llmopt.quant import quantize
 
@@ -137,14 +139,25 @@ def recovered_interval(row, rtn, base, seed=0) -> tuple[float, float]:
     return draws[int(0.05 * BOOTSTRAP)], draws[int(0.95 * BOOTSTRAP) - 1]
 
 
+def machine(rows: list[dict]) -> str:
+    """The CPU and the load average before each row was measured (rows record both since they may
+    come from separate processes, `--append`)."""
+    loads = [r["load_before"] for r in rows if "load_before" in r]
+    cpu = next((r["cpu"] for r in rows if "cpu" in r), platform.processor() or platform.machine())
+    if not loads:
+        return f"{cpu}, load average not recorded (times are indicative)"
+    span = f"{min(loads):.2f}" if min(loads) == max(loads) else f"{min(loads):.2f}-{max(loads):.2f}"
+    return f"{cpu}, 1-minute load average {span} before its rows"
+
+
 def render(rows: list[dict], command: str, eval_tokens: int, model: str = "tiny", num_samples: int = 32) -> str:
     """The markdown table, the goals, notes and the greedy samples."""
     base = next((r for r in rows if r["name"] == "fp32"), None)
     rtn = {(r["bits"], r["group_size"]): r for r in rows if r["method"] == "rtn"}
     lines = [
         f"# Weight quantization on {MODEL_TITLES.get(model, model)}", "",
-        f"`{command}`; torch {torch.__version__}, {platform.processor() or platform.machine()}, "
-        f"{torch.get_num_threads()} threads, shared with other jobs (times are indicative). Perplexity on "
+        f"`{command}`; torch {torch.__version__}, {machine(rows)}, "
+        f"{torch.get_num_threads()} threads. Perplexity on "
         f"{eval_tokens:,} tokens of the held-out text's evaluation split (`llmopt.eval.heldout_text('eval')`), "
         "windows of 512 tokens, through the engine (`llmopt.eval.window_nll`); calibration (GPTQ, AWQ) on "
         f"{num_samples} windows of 512 tokens of its disjoint calibration split. Quantized rows run in float32 on the "
@@ -366,7 +379,9 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         workdir = args.keep or Path(tmp)
         for name in args.rows or DEFAULT_ROWS[args.model]:
+            load = load_average()  # warns above 1.5: then the times are not this machine's
             row = run_row(name, ROWS[name], workdir, args.max_tokens, args.model, args.num_samples)
+            row["load_before"], row["cpu"] = load, f"{cpu_name()} ({os.cpu_count()} cores)"
             print(f"{name}: perplexity {row['perplexity']:.3f}, {row['linear_bytes'] / 2**20:.2f} MiB, "
                   f"quantized in {row['quant_seconds']:.1f} s; {row['samples'][0][:60]!r}", flush=True)
             rows = [r for r in rows if r["name"] != name] + [row]

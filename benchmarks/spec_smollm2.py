@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import sys
 import tempfile
@@ -30,6 +31,7 @@ import torch
 
 from llmopt import LLM, model_path
 from llmopt.bench import BenchRequest, table
+from llmopt.bench.common import cpu_name, load_average
 from llmopt.bench.spec import bench_spec, predicted_speedup, spec_table
 
 # functions from the Python standard library, given whole in the prompt (the eval split's kind of text)
@@ -180,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "spec_smollm2.md")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
+    load = load_average()  # warns above 1.5: then the times are not this machine's
     command = shlex.join(["python", "benchmarks/spec_smollm2.py", *argv])
     source = model_path("smollm2")
     probe = LLM("smollm2", enable_prefix_caching=False)
@@ -200,8 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     depths = sorted(lens)
     text = "\n".join([
         "# Speculative decoding on SmolLM2-135M-Instruct", "",
-        f"`{command}`; torch {torch.__version__}, one thread, a 2-core machine shared with other jobs "
-        "(CPU times of this process). The task: chat requests that give a function and ask for it back "
+        f"`{command}`; torch {torch.__version__}, one thread, {cpu_name()} ({os.cpu_count()} cores), 1-minute "
+        f"load average {load:.2f} at the start (CPU times of this process). The task: chat requests that give a function and ask for it back "
         "edited (rename a variable, add docstrings, add type hints, fix a bug), so the answer repeats "
         "much of the prompt.", "",
         spec_table(result).replace("held-out tokens", "tokens (chat template, instruction and code)"), "",
