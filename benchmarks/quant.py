@@ -140,14 +140,14 @@ def recovered_interval(row, rtn, base, seed=0) -> tuple[float, float]:
 
 
 def machine(rows: list[dict]) -> str:
-    """The CPU and the load average before each row was measured (rows record both since they may
-    come from separate processes, `--append`)."""
+    """The CPU and the load average before each process that measured rows started (rows record
+    both, since they may come from separate processes, `--append`)."""
     loads = [r["load_before"] for r in rows if "load_before" in r]
     cpu = next((r["cpu"] for r in rows if "cpu" in r), platform.processor() or platform.machine())
     if not loads:
         return f"{cpu}, load average not recorded (times are indicative)"
     span = f"{min(loads):.2f}" if min(loads) == max(loads) else f"{min(loads):.2f}-{max(loads):.2f}"
-    return f"{cpu}, 1-minute load average {span} before its rows"
+    return f"{cpu}, 1-minute load average {span} before the run"
 
 
 def render(rows: list[dict], command: str, eval_tokens: int, model: str = "tiny", num_samples: int = 32) -> str:
@@ -376,10 +376,11 @@ def main(argv: list[str] | None = None) -> int:
     commands = saved["command"] if saved else command
     if saved:
         commands = commands + "; " + command
+    # once, before this process's own threads count in it (rows from other processes, --append, keep theirs)
+    load = load_average()  # warns above 1.5: then the times are not this machine's
     with tempfile.TemporaryDirectory() as tmp:
         workdir = args.keep or Path(tmp)
         for name in args.rows or DEFAULT_ROWS[args.model]:
-            load = load_average()  # warns above 1.5: then the times are not this machine's
             row = run_row(name, ROWS[name], workdir, args.max_tokens, args.model, args.num_samples)
             row["load_before"], row["cpu"] = load, f"{cpu_name()} ({os.cpu_count()} cores)"
             print(f"{name}: perplexity {row['perplexity']:.3f}, {row['linear_bytes'] / 2**20:.2f} MiB, "
