@@ -65,6 +65,7 @@ def check(items: list[IPyNbCell], sent: list[dict], iopub: dict[str, list[dict]]
             problems.append(f"{where}: Unrun reference cell has outputs")
         elif item.options["check"] and not unrun:
             if not item.compare_outputs(outs, coalesce_streams(item.cell.outputs)):
+                got = "; ".join(f"{o.output_type}: {str(o.get('text', o.get('data', '')))[:300]!r}" for o in outs)
                 problems.append(f"{where}: Cell outputs differ\n" + ANSI.sub("", "\n".join(
-                    str(line) for line in item.comparison_traceback)))
+                    str(line) for line in item.comparison_traceback)) + f"\nthe browser's run gave: {got or 'nothing'}")
     return problems
