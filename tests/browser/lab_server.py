@@ -74,6 +74,12 @@ class JupyterLab:
             path = settings / (plugin + ".jupyterlab-settings")
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(values))
+        # No input history in the lessons' kernels: IPython's history thread, meeting the sqlite file
+        # another kernel left locked, prints "The history saving thread hit an unexpected error
+        # (... readonly database)" to stdout in whatever cell is running (two CI runs failed on it).
+        profile = home / "ipython" / "profile_default"
+        profile.mkdir(parents=True, exist_ok=True)
+        (profile / "ipython_kernel_config.py").write_text("c.HistoryManager.enabled = False\n")
         env = {**os.environ, **kernel_env(),
                "JUPYTER_CONFIG_DIR": str(home / "config"),
                "JUPYTER_RUNTIME_DIR": str(home / "runtime"),
