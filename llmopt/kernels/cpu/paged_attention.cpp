@@ -208,12 +208,12 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const 
           load_row(kbase + off, fmt, lut, ks, D, kf.data() + (p - p0) * D);
           load_row(vbase + off, fmt, lut, vs, D, vf.data() + (p - p0) * D);
         }
-#ifdef LLMOPT_ATTN_AVX512
-        auto range = [&](int64_t r) {  // row r's visible keys in this block (as below)
+        auto range = [&](int64_t r) {  // row r's visible keys in this block: up to its own position, in the window
           const int64_t pos = first_pos + r / G;
           return std::pair<int64_t, int64_t>(std::max(p0, window > 0 ? pos - window + 1 : int64_t(0)),
                                              std::min(p1, pos + 1));
         };
+#ifdef LLMOPT_ATTN_AVX512
         if (attn::block_rows_tiled(qf.data(), rows, D, kf.data(), vf.data(), p0, p1 - p0, fscale, range, m.data(),
                                    l.data(), acc.data(), kT.data())) {  // (paged_attention_avx512.h, 2)
           p0 = p1;
@@ -221,9 +221,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const 
         }
 #endif
         for (int64_t r = 0; r < rows; ++r) {
-          const int64_t pos = first_pos + r / G;   // this query's position
-          const int64_t a = std::max(p0, window > 0 ? pos - window + 1 : int64_t(0));
-          const int64_t b = std::min(p1, pos + 1);
+          const auto [a, b] = range(r);
           if (a >= b) continue;
           const float* qr = qf.data() + r * D;
           float mx = m[r];
