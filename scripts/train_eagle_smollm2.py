@@ -41,25 +41,54 @@ from llmopt.model.loader import load_model  # noqa: E402
 from llmopt.model.registry import model_path  # noqa: E402
 from llmopt.spec.eagle import EagleHead, head_config  # noqa: E402
 
+# Prompts like the ones a chat model meets, none of them the benchmark's held-out ones
+# (benchmarks/spec_eagle_smollm2.py): topics x request templates, coding tasks x code templates.
 TOPICS = ["photosynthesis", "the water cycle", "black holes", "the French revolution", "vaccines",
           "climate change", "the stock market", "machine learning", "the human heart", "volcanoes",
           "healthy sleep", "learning a new language", "saving money", "public speaking", "gardening",
           "the internet", "electric cars", "the moon landing", "honey bees", "recycling",
           "time management", "the Roman empire", "renewable energy", "friendship", "coffee",
-          "exercise", "the solar system", "inflation", "democracy", "chess"]
+          "exercise", "the solar system", "inflation", "democracy", "chess",
+          "earthquakes", "the immune system", "ancient Egypt", "the printing press", "tides",
+          "dinosaurs", "the human brain", "meditation", "cooking pasta", "bicycles", "rain forests",
+          "the Olympic games", "nuclear energy", "dogs as pets", "writing a resume", "job interviews",
+          "the theory of evolution", "DNA", "the periodic table", "gravity", "the speed of light",
+          "World War II", "the Renaissance", "jazz music", "photography", "social media",
+          "online privacy", "cloud computing", "smartphones", "artificial intelligence", "robots",
+          "the ocean", "coral reefs", "deserts", "mountains", "glaciers", "the Amazon river",
+          "volunteering", "teamwork", "leadership", "budgeting", "credit cards", "taxes",
+          "drinking enough water", "vitamins", "running a marathon", "yoga", "stress",
+          "reading books", "studying for exams", "online learning", "the history of writing",
+          "the wheel", "electricity", "magnets", "the seasons", "weather forecasts", "bread baking",
+          "tea", "chocolate", "spices", "wind power", "solar panels", "bridges", "skyscrapers"]
 CHAT = ["Explain {t} in simple terms.", "What are three interesting facts about {t}?",
         "Write a short paragraph about {t}.", "Why is {t} important?",
         "Give me some tips related to {t}.", "Summarize what people should know about {t}.",
-        "Write a short poem about {t}.", "What is the history of {t}?"]
+        "Write a short poem about {t}.", "What is the history of {t}?",
+        "What are the pros and cons of {t}?", "How would you explain {t} to a child?",
+        "List five key points about {t}.", "What are common misconceptions about {t}?"]
 TASKS = ["reverses a string", "checks whether a number is prime", "computes the factorial of n",
          "returns the n-th Fibonacci number", "sorts a list with bubble sort", "counts the words in a text",
          "finds the largest element of a list", "removes duplicates from a list", "checks if a string is a palindrome",
          "merges two sorted lists", "computes the average of a list of numbers", "converts Celsius to Fahrenheit",
          "reads a file and prints each line", "flattens a nested list", "implements binary search",
          "counts vowels in a string", "returns the greatest common divisor of two numbers",
-         "transposes a matrix", "validates an email address with a regular expression", "parses a CSV line"]
+         "transposes a matrix", "validates an email address with a regular expression", "parses a CSV line",
+         "sums the digits of a number", "finds the minimum of a list", "converts a decimal number to binary",
+         "checks whether a year is a leap year", "returns the length of the longest word in a sentence",
+         "rotates a list by k positions", "multiplies two matrices", "computes the median of a list",
+         "splits a list into chunks of size n", "returns the intersection of two lists",
+         "implements a stack with push and pop", "implements a queue", "computes the power of a number",
+         "sorts a dictionary by its values", "generates a random password", "finds the mode of a list",
+         "checks whether a list is sorted", "returns the squares of the even numbers in a list",
+         "computes compound interest", "converts a string to title case", "computes the area of a circle",
+         "reverses the words in a sentence", "implements insertion sort", "implements merge sort",
+         "finds the index of an element in a list", "computes the dot product of two vectors",
+         "counts the lines in a file", "returns the unique words in a text", "computes the sum of a list recursively",
+         "checks whether a string contains only digits"]
 CODE = ["Write a Python function that {t}.", "Write a Python function that {t}, with a docstring.",
-        "How do I write code that {t} in Python?", "Write a JavaScript function that {t}."]
+        "How do I write code that {t} in Python?", "Write a JavaScript function that {t}.",
+        "Write a Python function that {t} and explain how it works.", "Write a short Python program that {t}."]
 
 
 def make_prompts(seed: int) -> list[str]:

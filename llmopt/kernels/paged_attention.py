@@ -80,10 +80,13 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                         block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                         seq_lens: torch.Tensor, scale: float,
                         sliding_window: int | None = None,
-                        k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+                        k_scale: float = 1.0, v_scale: float = 1.0,
+                        tree_bits: torch.Tensor | None = None) -> torch.Tensor:
     """The reference: one sequence at a time, gather its keys and values, masked softmax.
 
     Keys and values are read as fp32 times their scale (1.0 for a cache in the model's dtype).
+    tree_bits ([T] int64, a draft tree's mask): a row other than -1 sees, of its sequence's new
+    keys, only those whose bit is set (bit j: the j-th new key).
     """
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = q.shape[1] // num_kv_heads
@@ -105,6 +108,11 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         allowed = k_pos <= q_pos
         if sliding_window is not None:
             allowed &= k_pos > q_pos - sliding_window
+        if tree_bits is not None:
+            rows = tree_bits[start:end].to(q.device)[:, None]
+            j = (k_pos - (seq_len - query_len)).clamp(min=0)        # index among the new keys
+            seen = ((rows >> j.clamp(max=63)) & 1).bool() & (j < 64)
+            allowed &= (rows == -1) | (k_pos < seq_len - query_len) | seen
 
         scores = torch.einsum("qhd,khd->hqk", q[start:end].float(), k) * scale
         probs = scores.masked_fill(~allowed, float("-inf")).softmax(dim=-1)

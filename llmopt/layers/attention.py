@@ -56,6 +56,8 @@ class AttentionMetadata:
     seq_lens_tensor: torch.Tensor | None = None      # [num_seqs] int32
     plans: dict = field(default_factory=dict, repr=False)  # the torch path's gathers, per pool shape
     tree_masks: list | None = None  # draft trees: per sequence a bool [new, context + new] mask, or None
+    tree_bits: torch.Tensor | None = None  # ... the same as the kernels read it: [num_tokens] int64, per
+    #   query row a bit per new key of its sequence it may see (-1: causal); None when a tree is too big
 
     @property
     def seq_lens(self) -> list[int]:
@@ -160,14 +162,18 @@ def paged_attention(q, k, v, cache, layer: int, meta: AttentionMetadata, scale: 
     """
     K, V = cache.k[layer], cache.v[layer]
     ks, vs = cache.k_scale[layer], cache.v_scale[layer]
-    if meta.tree_masks is not None:  # the kernels assume causal rows: tree steps take the torch path
+    cpu_kernel = (getattr(cache, "use_cpu_kernel", True) and q.device.type == "cpu" and q.dtype in QUERY_DTYPES
+                  and K.dtype in POOL_DTYPES and isinstance(ks, float) and cpu.available())
+    if meta.tree_masks is not None:  # draft trees: the C++ kernel reads tree_bits; elsewhere the torch path
+        if cpu_kernel and meta.tree_bits is not None and window is None:
+            return paged_attention_cpu(q, K, V, meta.block_table_tensor, meta.query_start_loc, meta.seq_lens_tensor,
+                                       scale, None, ks, vs, tree_bits=meta.tree_bits)
         return paged_masked_attention(q, K, V, ks, vs, meta, cache.block_size, scale, window)
     if cache.use_triton:
         return paged_attention_triton(q, K, V, meta.block_table_tensor, meta.query_start_loc,
                                       meta.seq_lens_tensor, scale, window, max_query_len=max(meta.query_lens),
                                       k_scale=ks, v_scale=vs)
-    if (getattr(cache, "use_cpu_kernel", True) and q.device.type == "cpu" and q.dtype in QUERY_DTYPES
-            and K.dtype in POOL_DTYPES and isinstance(ks, float) and cpu.available()):
+    if cpu_kernel:
         return paged_attention_cpu(q, K, V, meta.block_table_tensor, meta.query_start_loc, meta.seq_lens_tensor,
                                    scale, window, ks, vs)
     return paged_attention_torch(q, k, v, K, V, ks, vs, meta, cache.block_size, scale, window)

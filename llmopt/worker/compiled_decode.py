@@ -14,10 +14,12 @@ the first token), while this extension is built once per machine (about a minute
 disk) and takes any shape. `enforce_eager=True` (vLLM's meaning) keeps the plain path, the
 reference this one is tested against: the same greedy tokens in float32.
 
-It runs the steps where every sequence brings one new token, on the CPU, for Llama-family
-models whose linears are dense or GGUF blocks and whose KV pool is in the model's dtype;
-anything else (prompts, speculative verification, FP8 pools, other quantized layers, tensor
-or pipeline parallelism) runs eagerly, and `why_not` says which.
+It runs the steps where every sequence brings one new token, and speculative verification
+steps (a sequence's last token plus its k drafts, a chain or an EAGLE-2 tree under its tree
+mask: the step that must cost about one decode step for speculation to pay), on the CPU, for
+Llama-family models whose linears are dense or GGUF blocks and whose KV pool is in the model's
+dtype; anything else (prompts, FP8 pools, other quantized layers, tensor or pipeline
+parallelism) runs eagerly, and `why_not` says which.
 """
 
 from __future__ import annotations
@@ -83,6 +85,7 @@ class CompiledDecode:
         self.unit_scales = [1.0] * len(stack.layers)  # the pool is in the model's dtype: no FP8 scales
         self.windows = [0 if layer.self_attn.window is None else int(layer.self_attn.window) for layer in stack.layers]
         none = torch.empty(0, dtype=self.dtype)  # (what a layer does not have: bias, min, blocks)
+        self.no_tree = torch.empty(0, dtype=torch.int64)  # causal rows: no draft tree's mask
         self.int8, self.max_rows = True, 1 << 30
         self.dense_rows = dense_kernel_max_rows(self.dtype)
         for layer in stack.layers:
@@ -108,10 +111,11 @@ class CompiledDecode:
         rotary = stack.rotary_emb
         cos = rotary.cos[meta.positions].to(self.dtype).contiguous()
         ssin = rotary.signed_sin[meta.positions].to(self.dtype).contiguous()
+        tree = self.no_tree if meta.tree_bits is None else meta.tree_bits
         cpu.load().decode_layers(
             h, cos, ssin, self.norms, self.tensors, self.kinds, self.int8, self.max_rows, self.dense_rows, pool.k, pool.v,
             self.unit_scales, self.unit_scales, self.windows,
-            meta.slot_mapping.long(), meta.block_table_tensor, meta.query_start_loc, meta.seq_lens_tensor,
+            meta.slot_mapping.long(), meta.block_table_tensor, meta.query_start_loc, meta.seq_lens_tensor, tree,
             self.num_heads, self.num_kv_heads, self.head_dim, self.eps)
         return stack.norm(h)
 

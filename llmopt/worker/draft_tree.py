@@ -57,6 +57,18 @@ def tree_mask(context: int, parents: list[int], device="cpu") -> torch.Tensor:
     return torch.cat([torch.ones(len(parents) + 1, context, dtype=torch.bool, device=device), tree], dim=1)
 
 
+# The C++ kernel takes a tree's mask as one int64 per row (bit j: new key j), the root included.
+MAX_KERNEL_NODES = 62
+
+
+def tree_bits(parents: list[int]) -> list[int]:
+    """Each row of ancestor_matrix(parents) as an integer, bit j for column j."""
+    rows = [1]  # the root sees itself
+    for i, p in enumerate(parents):
+        rows.append(rows[p + 1] | (1 << (i + 1)))
+    return rows
+
+
 def add_tree_layout(meta: AttentionMetadata, trees: list[DraftTree | None]) -> None:
     """Turn a paged step into a tree-verification step: for each sequence with a tree, its new
     tokens are (last token, tree nodes...), at positions (context + depth), under the tree mask.
@@ -64,19 +76,24 @@ def add_tree_layout(meta: AttentionMetadata, trees: list[DraftTree | None]) -> N
     if all(t is None for t in trees):
         return
     positions = meta.positions.clone()
-    masks, start = [], 0
+    masks, bits, start = [], [], 0
     for tree, ctx, n in zip(trees, meta.context_lens, meta.query_lens):
         if tree is None:
             masks.append(None)
+            bits += [-1] * n
         else:
             if n != len(tree) + 1:
                 raise ValueError(f"a tree of {len(tree)} nodes is verified with its last token: "
                                  f"{len(tree) + 1} new tokens, got {n}")
             positions[start:start + n] = ctx + torch.tensor([0] + tree.depths, device=positions.device)
             masks.append(tree_mask(ctx, tree.parents, positions.device))
+            bits += tree_bits(tree.parents)
         start += n
     meta.positions = positions
     meta.tree_masks = masks
+    # the kernels' form of the same masks; a tree past MAX_KERNEL_NODES takes the torch path
+    fits = all(t is None or len(t) <= MAX_KERNEL_NODES for t in trees)
+    meta.tree_bits = torch.tensor(bits, dtype=torch.int64, device=positions.device) if fits else None
 
 
 def accepted_path(tree: DraftTree, emitted: list[int]) -> list[int]:

@@ -26,6 +26,7 @@ from llmopt.kernels import cpu
 from llmopt.kernels.cpu.gguf_blocks import GGUFBlockWeight, quantize_activations
 from llmopt.kernels.cpu.paged_attention import paged_attention_cpu
 from llmopt.kernels.paged_attention import paged_attention_ref, write_kv
+from llmopt.worker.draft_tree import tree_bits, tree_mask
 
 needs_kernels = pytest.mark.skipif(not cpu.available(), reason=f"no C++ CPU kernels: {cpu.why_unavailable()}")
 TOL = {torch.float32: 2e-5, torch.bfloat16: 1.6e-2}
@@ -56,10 +57,11 @@ def paged_batch(seq_lens, query_lens, *, num_kv_heads=2, group=3, head_dim=64, b
     return q, k_pool, v_pool, table, qsl, torch.tensor(seq_lens, dtype=torch.int32), head_dim ** -0.5
 
 
-def check_attention(batch, window=None):
+def check_attention(batch, window=None, tree_bits=None):
     q, k_pool, v_pool, table, qsl, lens, scale = batch
-    got = paged_attention_cpu(q, k_pool, v_pool, table, qsl, lens, scale, window)
-    want = paged_attention_ref(q, k_pool, v_pool, table.clamp(max=k_pool.shape[0] - 1), qsl, lens, scale, window)
+    got = paged_attention_cpu(q, k_pool, v_pool, table, qsl, lens, scale, window, tree_bits=tree_bits)
+    want = paged_attention_ref(q, k_pool, v_pool, table.clamp(max=k_pool.shape[0] - 1), qsl, lens, scale, window,
+                               tree_bits=tree_bits)
     assert got.dtype == q.dtype and got.shape == q.shape and not got.isnan().any()
     torch.testing.assert_close(got.float(), want.float(), atol=TOL[q.dtype], rtol=TOL[q.dtype])
 
@@ -91,6 +93,44 @@ def test_one_long_context_sliced_across_threads_equals_reference(window):
     # one sequence and one kv head: too few work items, so the keys are sliced and merged
     check_attention(paged_batch([2000], [1], num_kv_heads=1, group=8, seed=3), window)
     check_attention(paged_batch([3000, 5], [3, 1], num_kv_heads=1, group=1, seed=4), window)
+
+
+def random_tree_bits(n: int, g: torch.Generator) -> list[int]:
+    """A random draft tree of n - 1 nodes (parents before children) as per-row masks."""
+    return tree_bits([int(torch.randint(-1, i, (1,), generator=g)) for i in range(n - 1)])
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group", [1, 3])
+def test_draft_tree_masks_equal_reference(dtype, group):
+    """Verification of draft trees (a root and its nodes per sequence, each node seeing the
+    context and its ancestors) beside a causal chunk and a decode in the same call; one tree
+    long enough (>= 256 keys, one kv head) that its keys are sliced across threads."""
+    g = torch.Generator().manual_seed(group)
+    new = [17, 9, 1, 30]
+    bits = random_tree_bits(17, g) + [-1] * 9 + [-1] + random_tree_bits(30, g)
+    batch = paged_batch([60, 33, 20, 300], new, group=group, dtype=dtype, block_size=8, seed=20 + group)
+    check_attention(batch, tree_bits=torch.tensor(bits))
+    long = paged_batch([700], [10], num_kv_heads=1, group=group, dtype=dtype, seed=30 + group)
+    check_attention(long, tree_bits=torch.tensor(random_tree_bits(10, g)))
+    widest = paged_batch([90], [63], group=group, dtype=dtype, seed=40 + group)  # 62 nodes: every bit
+    check_attention(widest, tree_bits=torch.tensor(random_tree_bits(63, g)))
+
+
+def test_tree_bits_reference_is_the_ancestor_mask():
+    """The reference's reading of tree_bits equals attention under the boolean tree mask."""
+    parents = [-1, -1, 0, 1, 1, 3, 2]
+    q, k_pool, v_pool, table, qsl, lens, scale = paged_batch([25], [8], group=2, seed=1)
+    got = paged_attention_ref(q, k_pool, v_pool, table.clamp(max=k_pool.shape[0] - 1), qsl, lens, scale,
+                              tree_bits=torch.tensor(tree_bits(parents)))
+    mask = tree_mask(17, parents)                                  # [8, 25]
+    blocks = table[0, :2].long()
+    k = k_pool[blocks].flatten(0, 1)[:25].repeat_interleave(2, 1)
+    v = v_pool[blocks].flatten(0, 1)[:25].repeat_interleave(2, 1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    want = torch.einsum("hqk,khd->qhd", scores.masked_fill(~mask, float("-inf")).softmax(-1), v)
+    torch.testing.assert_close(got, want)
 
 
 @needs_kernels

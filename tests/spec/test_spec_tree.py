@@ -36,9 +36,11 @@ def tiny():
     return load_model(model_path("tiny"), torch.float32)
 
 
-def test_tree_attention_equals_each_path_alone(tiny):
+@pytest.mark.parametrize("path", ["kernel", "torch"])
+def test_tree_attention_equals_each_path_alone(tiny, path):
     """Verify a tree over a paged cache in one forward; each node's hidden state must equal
-    the model run over (context, root, the node's ancestors, the node) from scratch."""
+    the model run over (context, root, the node's ancestors, the node) from scratch. Through
+    the C++ kernel (the mask as tree_bits) and through the torch path (the boolean mask)."""
     torch.manual_seed(0)
     context = torch.randint(0, 4096, (21,)).tolist()  # prefilled; the 22nd token is the root
     root = 77
@@ -51,6 +53,9 @@ def test_tree_attention_equals_each_path_alone(tiny):
         run_model(tiny, cache, context, AttentionMetadata.paged([table], [0], [len(context)], block_size))
         meta = AttentionMetadata.paged([table], [len(context)], [1 + len(tree)], block_size)
         add_tree_layout(meta, [tree])
+        assert meta.tree_bits is not None
+        if path == "torch":
+            meta.tree_bits = None  # what a tree too large for the kernel's masks takes
         hidden = run_model(tiny, cache, [root] + tree.tokens, meta)
         for i in range(-1, len(tree)):
             path, node = [], i
@@ -160,6 +165,26 @@ def test_tree_greedy_equals_plain_greedy_and_frees_its_slots(plain):
     eng = llm.llm_engine
     eng.block_manager.check_invariants()
     assert eng.block_manager.num_free_blocks == eng.num_blocks  # every tree slot back in the pool
+
+
+@pytest.mark.parametrize("spec", [TREE, {"method": "eagle", "model": "tiny-eagle", "num_speculative_tokens": 4}],
+                         ids=["tree", "chain"])
+def test_verification_takes_the_compiled_step_and_keeps_plain_greedy(plain, spec, monkeypatch):
+    """Verification steps (a chain, or a tree under its mask) run through the compiled decode
+    step, one C++ call, and still give plain greedy's tokens; the eager path gives the same."""
+    llm = LLM(model="tiny", speculative_config=spec, enable_prefix_caching=False)
+    runner = llm.llm_engine.runner
+    assert llm.llm_engine.decode_path == "compiled"
+    seen = []
+    real = runner.compiled.forward
+    monkeypatch.setattr(runner.compiled, "forward", lambda ids, meta: seen.append(meta) or real(ids, meta))
+    assert tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == plain
+    verifying = [m for m in seen if not m.is_decode]
+    assert verifying and all(max(m.query_lens) > 1 for m in verifying)
+    if "tree" in spec:
+        assert any(m.tree_bits is not None for m in verifying)
+    eager = LLM(model="tiny", speculative_config=spec, enable_prefix_caching=False, enforce_eager=True)
+    assert tokens(eager.generate(PROMPTS, GREEDY, use_tqdm=False)) == plain
 
 
 def test_tree_under_a_tight_pool_prefix_caching_and_preemption(plain):

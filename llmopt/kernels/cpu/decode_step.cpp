@@ -21,7 +21,7 @@ at::Tensor gguf_matmul(const at::Tensor& x, const at::Tensor& qs, const at::Tens
 at::Tensor dense_matmul(const at::Tensor& x, const at::Tensor& w);
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                            const at::Tensor& block_table, const at::Tensor& query_start_loc,
-                           const at::Tensor& seq_lens, double scale, int64_t window, double k_scale, double v_scale);
+                           const at::Tensor& seq_lens, double scale, int64_t window, double k_scale, double v_scale, const at::Tensor& tree_bits);
 
 namespace {
 
@@ -108,8 +108,8 @@ void run_layers(at::Tensor& h, const at::Tensor& cos, const at::Tensor& ssin, co
                 const std::vector<Linear>& linears, const std::vector<at::Tensor>& k_pools,
                 const std::vector<at::Tensor>& v_pools, const std::vector<double>& k_scales,
                 const std::vector<double>& v_scales, const std::vector<int64_t>& windows, const at::Tensor& slots,
-                const at::Tensor& block_table, const at::Tensor& qsl, const at::Tensor& seq_lens, int64_t Hq,
-                int64_t Hkv, int64_t D, double eps) {
+                const at::Tensor& block_table, const at::Tensor& qsl, const at::Tensor& seq_lens,
+                const at::Tensor& tree_bits, int64_t Hq, int64_t Hkv, int64_t D, double eps) {
   const int64_t T_ = h.size(0), H = h.size(1), L = int64_t(norms.size() / 2);
   const int64_t q_size = Hq * D, kv_size = Hkv * D;
   const double scale = 1.0 / std::sqrt(double(D));
@@ -124,7 +124,7 @@ void run_layers(at::Tensor& h, const at::Tensor& cos, const at::Tensor& ssin, co
     write_slots<T>(p + q_size + kv_size, stride, v_pools[l].data_ptr<T>(), slots.data_ptr<int64_t>(), T_, kv_size);
     at::Tensor q = qkv.narrow(1, 0, q_size).contiguous().view({T_, Hq, D});
     at::Tensor attn = paged_attention(q, k_pools[l], v_pools[l], block_table, qsl, seq_lens, scale, windows[l],
-                                      k_scales[l], v_scales[l]);
+                                      k_scales[l], v_scales[l], tree_bits);
     at::Tensor o = apply(linears[4 * l + 1], attn.view({T_, q_size})).contiguous();
     add_into<T>(h.data_ptr<T>(), o.data_ptr<T>(), T_ * H);
     x = rms_norm<T>(h, norms[2 * l + 1], eps);
@@ -139,7 +139,9 @@ void run_layers(at::Tensor& h, const at::Tensor& cos, const at::Tensor& ssin, co
 }  // namespace
 
 // h [T, hidden] (the token embeddings; updated in place to the last layer's output, before the
-// final norm). Per layer l: norms[2l], norms[2l+1]; linears[4l..4l+3] = qkv, o, gate_up, down, each
+// final norm). A step may bring several new tokens per sequence (speculative verification: a
+// chain of drafts, or a draft tree under `tree_bits`, paged_attention.cpp; empty: causal).
+// Per layer l: norms[2l], norms[2l+1]; linears[4l..4l+3] = qkv, o, gate_up, down, each
 // five tensors (dense weight, qs, d, mn, bias; undefined where unused) and one kind.
 void decode_layers(at::Tensor h, const at::Tensor& cos, const at::Tensor& ssin, const std::vector<at::Tensor>& norms,
                    const std::vector<at::Tensor>& linear_tensors, const std::vector<int64_t>& linear_kinds,
@@ -147,8 +149,8 @@ void decode_layers(at::Tensor h, const at::Tensor& cos, const at::Tensor& ssin, 
                    const std::vector<at::Tensor>& k_pools,
                    const std::vector<at::Tensor>& v_pools, const std::vector<double>& k_scales,
                    const std::vector<double>& v_scales, const std::vector<int64_t>& windows, const at::Tensor& slots,
-                   const at::Tensor& block_table, const at::Tensor& qsl, const at::Tensor& seq_lens, int64_t num_heads,
-                   int64_t num_kv_heads, int64_t head_dim, double eps) {
+                   const at::Tensor& block_table, const at::Tensor& qsl, const at::Tensor& seq_lens,
+                   const at::Tensor& tree_bits, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps) {
   TORCH_CHECK_VALUE(h.dim() == 2 && h.is_contiguous(), "h must be contiguous [tokens, hidden]");
   TORCH_CHECK_VALUE(h.scalar_type() == at::kFloat || h.scalar_type() == at::kBFloat16,
                     "the compiled decode step runs float32 or bfloat16, got ", h.scalar_type());
@@ -167,10 +169,10 @@ void decode_layers(at::Tensor h, const at::Tensor& cos, const at::Tensor& ssin, 
   at::Tensor hh = h;
   if (h.scalar_type() == at::kFloat)
     run_layers<float>(hh, cos, ssin, norms, linears, k_pools, v_pools, k_scales, v_scales, windows, slots,
-                      block_table, qsl, seq_lens, num_heads, num_kv_heads, head_dim, eps);
+                      block_table, qsl, seq_lens, tree_bits, num_heads, num_kv_heads, head_dim, eps);
   else
     run_layers<at::BFloat16>(hh, cos, ssin, norms, linears, k_pools, v_pools, k_scales, v_scales, windows, slots,
-                             block_table, qsl, seq_lens, num_heads, num_kv_heads, head_dim, eps);
+                             block_table, qsl, seq_lens, tree_bits, num_heads, num_kv_heads, head_dim, eps);
 }
 
 }  // namespace llmopt

@@ -8,6 +8,11 @@
 // from a shared counter, largest first, so one long prompt does not leave the others idle.
 // Only keys a query may see are read (position <= its own, inside the window), so nothing a
 // slot held before its token was written (another request's NaN) can reach an output.
+//
+// A draft tree (llmopt/worker/draft_tree.py) is verified in the same call: `tree_bits` holds, per
+// query row, which of its sequence's new keys it may see (bit j: new key j; -1: all, i.e. plain
+// causal rows), so a node sees the context and its own ancestors only. Rows with a mask take the
+// general loop over the new keys' blocks; everything else is unchanged.
 #include <ATen/Parallel.h>
 #include <ATen/record_function.h>
 #include <ATen/core/Tensor.h>
@@ -76,7 +81,7 @@ struct Item {
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                               const at::Tensor& block_table, const at::Tensor& query_start_loc,
                               const at::Tensor& seq_lens, double scale, int64_t window,
-                              double k_scale, double v_scale) {
+                              double k_scale, double v_scale, const at::Tensor& tree_bits) {
   RECORD_FUNCTION("llmopt::paged_attention", std::vector<c10::IValue>());  // a named row in torch.profiler
   TORCH_CHECK_VALUE(q.dim() == 3 && q.is_contiguous() &&
                     (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16),
@@ -116,6 +121,20 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const 
       TORCH_CHECK_VALUE(table[i * max_blocks + b] >= 0 && table[i * max_blocks + b] < NB,
                         "sequence ", i, ": block_table entry ", table[i * max_blocks + b], " out of [0, ", NB, ")");
   }
+
+  const bool masked = tree_bits.defined() && tree_bits.numel() > 0;
+  TORCH_CHECK_VALUE(!masked || (tree_bits.scalar_type() == at::kLong && tree_bits.is_contiguous() &&
+                                tree_bits.dim() == 1 && tree_bits.size(0) == T),
+                    "tree_bits must be contiguous int64 [T] (one mask of new keys per query row), got ",
+                    tree_bits.sizes(), " ", tree_bits.scalar_type());
+  TORCH_CHECK_VALUE(!masked || window == 0, "draft-tree steps do not support sliding-window attention");
+  const int64_t* bits = masked ? tree_bits.data_ptr<int64_t>() : nullptr;
+  auto row_masked = [&](const Item& it) {  // any query of the item under a tree mask
+    if (!masked) return false;
+    for (int64_t t = it.q0; t < it.q1; ++t)
+      if (bits[t] != -1) return true;
+    return false;
+  };
 
   // Work items; slice the keys only when there are too few items for the threads.
   const int64_t threads = at::get_num_threads();
@@ -184,9 +203,11 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const 
             dst[j] = (q_bf16 ? bf16_to_float(static_cast<const uint16_t*>(qp)[src + j])
                              : static_cast<const float*>(qp)[src + j]);
         }
+      const bool tree = row_masked(it);
+      const int64_t ctx = L - (qsl[it.seq + 1] - qsl[it.seq]);  // the new keys start here
       bool in_registers = false;  // one new token's rows (paged_attention_avx512.h, 1)
 #ifdef LLMOPT_ATTN_AVX512
-      if (nq == 1 && (fmt == KV_F32 || fmt == KV_BF16)) {
+      if (nq == 1 && !tree && (fmt == KV_F32 || fmt == KV_BF16)) {
         const int32_t* blocks = table + it.seq * max_blocks;
         auto row_at = [&](int64_t p) { return ((size_t(blocks[p / BS]) * BS + p % BS) * Hkv + it.kv_head) * D * elem; };
         in_registers = fmt == KV_BF16
@@ -213,8 +234,9 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const 
           return std::pair<int64_t, int64_t>(std::max(p0, window > 0 ? pos - window + 1 : int64_t(0)),
                                              std::min(p1, pos + 1));
         };
+        const bool tree_block = tree && p1 > ctx;  // holds new keys some row may not see
 #ifdef LLMOPT_ATTN_AVX512
-        if (attn::block_rows_tiled(qf.data(), rows, D, kf.data(), vf.data(), p0, p1 - p0, fscale, range, m.data(),
+        if (!tree_block && attn::block_rows_tiled(qf.data(), rows, D, kf.data(), vf.data(), p0, p1 - p0, fscale, range, m.data(),
                                    l.data(), acc.data(), kT.data())) {  // (paged_attention_avx512.h, 2)
           p0 = p1;
           continue;
@@ -225,10 +247,15 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const 
           if (a >= b) continue;
           const float* qr = qf.data() + r * D;
           float mx = m[r];
+          const int64_t rb = tree_block ? bits[it.q0 + r / G] : -1;
           for (int64_t p = a; p < b; ++p) {
-            s[p - p0] = dot(qr, kf.data() + (p - p0) * D, D) * fscale;
+            const int64_t j = p - ctx;  // new key j is hidden from a tree row unless bit j is set
+            s[p - p0] = rb != -1 && j >= 0 && (j >= 64 || !((rb >> j) & 1))
+                            ? -std::numeric_limits<float>::infinity()
+                            : dot(qr, kf.data() + (p - p0) * D, D) * fscale;
             mx = std::max(mx, s[p - p0]);
           }
+          if (mx == -std::numeric_limits<float>::infinity()) continue;  // nothing visible here yet
           float* ar = acc.data() + r * D;
           const float corr = std::exp(m[r] - mx);   // 0 on the first keys (m = -inf)
           if (corr != 1.0f) {

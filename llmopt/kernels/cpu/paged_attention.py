@@ -22,7 +22,8 @@ POOL_DTYPES = (torch.float32, torch.bfloat16) + FP8_DTYPES
 def paged_attention_cpu(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                         block_table: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                         scale: float, window: int | None = None,
-                        k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+                        k_scale: float = 1.0, v_scale: float = 1.0,
+                        tree_bits: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of flat queries over paged keys and values; returns [T, Hq, D] in q's dtype.
 
     q: [T, Hq, D] float32 or bfloat16, the new tokens of every sequence one after another;
@@ -35,15 +36,23 @@ def paged_attention_cpu(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Ten
     queries of a sequence with n new tokens sit at positions seq_len - n .. seq_len - 1 and see
     the keys at positions <= their own, and > their own minus `window` when one is given.
     Softmax and sums run in fp32. Slots no query may see are never read.
+
+    tree_bits: [T] int64 or None, a draft tree's mask (llmopt/worker/draft_tree.py): bit j of row
+    t set when query t may see its sequence's new key j (the key at seq_len - n + j), -1 for a
+    causal row. A tree row sees all of its context and, of the new keys, those bits only.
     """
     for name, t, dtypes in (("q", q, QUERY_DTYPES), ("k_pool", k_pool, POOL_DTYPES), ("v_pool", v_pool, POOL_DTYPES)):
         if t.dtype not in dtypes or t.device.type != "cpu":
             raise TypeError(f"{name} must be a CPU tensor of {dtypes}, got {t.dtype} on {t.device}")
     if window is not None and (not isinstance(window, int) or window < 1):
         raise ValueError(f"window must be a positive int or None, got {window!r}")
+    if tree_bits is not None and (tree_bits.dtype != torch.int64 or tree_bits.shape != (q.shape[0],)):
+        raise ValueError(f"tree_bits must be int64 [{q.shape[0]}] (one per query row), got "
+                         f"{tree_bits.dtype} {tuple(tree_bits.shape)}")
     ext = cpu.load()
     if ext is None:
         return paged_attention_ref(q, k_pool, v_pool, block_table, query_start_loc, seq_lens, scale,
-                                   window, k_scale, v_scale)
+                                   window, k_scale, v_scale, tree_bits)
     return ext.paged_attention(q.contiguous(), k_pool, v_pool, block_table, query_start_loc, seq_lens,
-                               float(scale), 0 if window is None else window, float(k_scale), float(v_scale))
+                               float(scale), 0 if window is None else window, float(k_scale), float(v_scale),
+                               torch.empty(0, dtype=torch.int64) if tree_bits is None else tree_bits.contiguous())
