@@ -230,12 +230,12 @@ if HAS_TRITON:
     @triton.jit
     def _paged_prefill_kernel(
             out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr,
-            seq_lens_ptr, scale, k_scale, v_scale, window,
+            seq_lens_ptr, tree_bits_ptr, scale, k_scale, v_scale, window,
             stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
             stride_block, stride_slot, stride_head, stride_table,
             QUERIES_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-            E4M3_BITS: tl.constexpr):
+            E4M3_BITS: tl.constexpr, HAS_TREE: tl.constexpr):
         q_tile = tl.program_id(0)
         seq = tl.program_id(1)
         head = tl.program_id(2)
@@ -260,6 +260,8 @@ if HAS_TRITON:
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
         qk_scale = scale * k_scale
+        if HAS_TREE:  # a draft tree: per query row, which of the sequence's new keys it sees (-1: all)
+            bits = tl.load(tree_bits_ptr + q_start + rows, mask=row_ok, other=-1)
 
         # This tile's queries see keys from its first query's window start up to its last
         # query's own position: causality bounds the loop, not only the mask.
@@ -278,6 +280,10 @@ if HAS_TRITON:
             v = v.to(q.dtype)
             allowed = ((k_pos[None, :] <= q_pos[:, None])
                        & (k_pos[None, :] > q_pos[:, None] - window) & k_ok[None, :])
+            if HAS_TREE:  # new key j is seen only where bit j is set
+                j = k_pos - context_len
+                bit = (bits[:, None] >> tl.minimum(tl.maximum(j, 0), 63).to(tl.int64)[None, :]) & 1
+                allowed &= (bits[:, None] == -1) | (j < 0)[None, :] | ((bit != 0) & (j < 64)[None, :])
             m_i, l_i, acc = _online_softmax_step(q, k, v, allowed, m_i, l_i, acc, qk_scale,
                                                  DOT_PRECISION)
 
@@ -360,11 +366,13 @@ def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             seq_lens: torch.Tensor, scale: float,
                             sliding_window: int | None = None,
                             max_query_len: int | None = None,
-                            k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+                            k_scale: float = 1.0, v_scale: float = 1.0,
+                            tree_bits: torch.Tensor | None = None) -> torch.Tensor:
     """Any batch of prompts, prompt chunks after cached context, and decodes, in one call.
 
     One program per (tile of BLOCK_M queries, sequence, query head). Pass max_query_len
-    when it is known (the scheduler knows it) to spare a device-to-host sync.
+    when it is known (the scheduler knows it) to spare a device-to-host sync. tree_bits
+    ([num_tokens] int64): draft trees' masks, as `paged_attention_ref` reads them.
     """
     queries_per_kv, block_n, window, precision = _check_and_tile(q, k_cache, v_cache,
                                                                  sliding_window)
@@ -379,13 +387,14 @@ def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     num_seqs, num_heads = seq_lens.shape[0], q.shape[1]
     grid = (triton.cdiv(max_query_len, block_m), num_seqs, num_heads)
     k_pool, v_pool, e4m3_bits = _kv_operands(k_cache, v_cache)
+    has_tree = tree_bits is not None
     _paged_prefill_kernel[grid](
-        out, q, k_pool, v_pool, block_tables, query_start_loc, seq_lens, scale, k_scale, v_scale,
-        window,
+        out, q, k_pool, v_pool, block_tables, query_start_loc, seq_lens,
+        tree_bits.contiguous() if has_tree else seq_lens, scale, k_scale, v_scale, window,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         QUERIES_PER_KV=queries_per_kv, HEAD_DIM=k_cache.shape[3], BLOCK_SIZE=k_cache.shape[1],
-        BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION=precision, E4M3_BITS=e4m3_bits)
+        BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION=precision, E4M3_BITS=e4m3_bits, HAS_TREE=has_tree)
     return out
 
 
@@ -393,12 +402,17 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                     seq_lens: torch.Tensor, scale: float, sliding_window: int | None = None,
                     max_query_len: int | None = None,
-                    k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
-    """The decode kernel when every sequence brings exactly one token, else the prefill one.
+                    k_scale: float = 1.0, v_scale: float = 1.0,
+                    tree_bits: torch.Tensor | None = None) -> torch.Tensor:
+    """The decode kernel when every sequence brings exactly one token, else the prefill one
+    (which also verifies draft trees under `tree_bits`).
 
     Every sequence brings at least one token, so num_tokens == num_seqs means all are
     decodes: a test on shapes, with no sync on the device.
     """
+    if tree_bits is not None:
+        return paged_attention_prefill(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
+                                       sliding_window, max_query_len, k_scale, v_scale, tree_bits)
     if max_query_len == 1 or (max_query_len is None and q.shape[0] == seq_lens.shape[0]):
         return paged_attention_decode(q, k_cache, v_cache, block_tables, seq_lens, scale,
                                       sliding_window, k_scale, v_scale)

@@ -164,8 +164,12 @@ def paged_attention(q, k, v, cache, layer: int, meta: AttentionMetadata, scale: 
     ks, vs = cache.k_scale[layer], cache.v_scale[layer]
     cpu_kernel = (getattr(cache, "use_cpu_kernel", True) and q.device.type == "cpu" and q.dtype in QUERY_DTYPES
                   and K.dtype in POOL_DTYPES and isinstance(ks, float) and cpu.available())
-    if meta.tree_masks is not None:  # draft trees: the C++ kernel reads tree_bits; elsewhere the torch path
-        if cpu_kernel and meta.tree_bits is not None and window is None:
+    if meta.tree_masks is not None:  # draft trees: the kernels read tree_bits; else the torch path
+        if meta.tree_bits is not None and window is None and cache.use_triton:
+            return paged_attention_triton(q, K, V, meta.block_table_tensor, meta.query_start_loc,
+                                          meta.seq_lens_tensor, scale, None, max_query_len=max(meta.query_lens),
+                                          k_scale=ks, v_scale=vs, tree_bits=meta.tree_bits)
+        if meta.tree_bits is not None and window is None and cpu_kernel:
             return paged_attention_cpu(q, K, V, meta.block_table_tensor, meta.query_start_loc, meta.seq_lens_tensor,
                                        scale, None, ks, vs, tree_bits=meta.tree_bits)
         return paged_masked_attention(q, K, V, ks, vs, meta, cache.block_size, scale, window)

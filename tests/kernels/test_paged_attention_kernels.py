@@ -179,6 +179,24 @@ def test_prefill_with_several_query_tiles():
 
 
 @needs_triton
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_draft_tree_masks(block_size):
+    """EAGLE-2 verification: two trees (each a root and its nodes, every node seeing the
+    context and its own ancestors) beside a causal chunk and a decode, through the dispatcher."""
+    from llmopt.worker.draft_tree import tree_bits
+
+    trees = [[-1, -1, 0, 0, 1, 2, 5, 5, 3], [-1, 0, 1, -1, 3, 2]]
+    b, _, _ = make_batch([30, 20, 9, 41], [10, 7, 1, 7], group=2, block_size=block_size)
+    bits = torch.tensor(tree_bits(trees[0]) + [-1] * 7 + [-1] + tree_bits(trees[1]), device=DEVICE)
+    want = pa.paged_attention_ref(b["q"], b["k_cache"], b["v_cache"], b["block_tables"], b["query_start_loc"],
+                                  b["seq_lens"], b["scale"], tree_bits=bits)
+    got = pa.paged_attention(b["q"], b["k_cache"], b["v_cache"], b["block_tables"], b["query_start_loc"],
+                             b["seq_lens"], b["scale"], tree_bits=bits)
+    assert_close(got, want, torch.float32)
+    assert not torch.allclose(want, reference(b), atol=1e-3)  # the masks changed what rows see
+
+
+@needs_triton
 @pytest.mark.parametrize("window", [1, 5, 16, 1000])
 @pytest.mark.parametrize("block_size", [8, 16])
 def test_sliding_window(block_size, window):
