@@ -108,7 +108,7 @@ class LLMEngine:
         sc = config.speculative_config
         self.num_spec_tokens = sc["num_speculative_tokens"] if sc else 0
         if self.proposer is not None:
-            self.proposer.bind(self.block_manager, self.num_blocks)
+            self.proposer.bind(self.block_manager, self.num_blocks, compiled=self.decode_path == "compiled")
         self.spec_stats = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0,
                            "accepted_per_position": [0] * self.num_spec_tokens}
         # last, so dropped last: `del llm` frees the engine (no cycle), then this returns the pages to the OS

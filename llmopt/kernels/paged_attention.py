@@ -15,7 +15,7 @@ step. Query j of a sequence with n new tokens sits at position `seq_len - n + j`
 keys at positions <= its own (and > its own minus `sliding_window`, when one is set).
 With GQA, query head h reads kv head `h // (num_heads // num_kv_heads)`.
 
-`paged_attention_ref` says all this in plain torch. The two Triton kernels compute the
+`paged_attention_ref` (paged_attention_ref.py) says all this in plain torch. The two Triton kernels compute the
 same thing tile by tile with an online softmax (FlashAttention's running max and sum, in
 fp32), gathering each tile of keys through the block table: `paged_attention_decode` for
 one new token per sequence, `paged_attention_prefill` for any mix of prompts, prompt
@@ -35,6 +35,7 @@ from __future__ import annotations
 import torch
 
 from llmopt.kernels import HAS_TRITON
+from llmopt.kernels.paged_attention_ref import paged_attention_ref  # noqa: F401  (the meaning, beside its kernels)
 
 # The kernels hold a head in registers as one power-of-two block, and tl.dot needs >= 16.
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
@@ -74,50 +75,6 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         if is_fp8_cache(cache):  # copy bytes: index_copy_ has no float8 version on every device
             cache, x = cache.view(torch.uint8), x.view(torch.uint8)
         cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, x)
-
-
-def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                        block_tables: torch.Tensor, query_start_loc: torch.Tensor,
-                        seq_lens: torch.Tensor, scale: float,
-                        sliding_window: int | None = None,
-                        k_scale: float = 1.0, v_scale: float = 1.0,
-                        tree_bits: torch.Tensor | None = None) -> torch.Tensor:
-    """The reference: one sequence at a time, gather its keys and values, masked softmax.
-
-    Keys and values are read as fp32 times their scale (1.0 for a cache in the model's dtype).
-    tree_bits ([T] int64, a draft tree's mask): a row other than -1 sees, of its sequence's new
-    keys, only those whose bit is set (bit j: the j-th new key).
-    """
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    group = q.shape[1] // num_kv_heads
-    out = torch.empty_like(q)
-    for i in range(seq_lens.shape[0]):
-        start, end = int(query_start_loc[i]), int(query_start_loc[i + 1])
-        seq_len, query_len = int(seq_lens[i]), end - start
-
-        # Follow the block table: the sequence's blocks, in order, then drop the unused
-        # tail of its last block.
-        blocks = block_tables[i, :(seq_len + block_size - 1) // block_size].long()
-        k = k_cache[blocks].flatten(0, 1)[:seq_len].float() * k_scale   # [seq_len, Hkv, D]
-        v = v_cache[blocks].flatten(0, 1)[:seq_len].float() * v_scale
-        k = k.repeat_interleave(group, dim=1)                      # GQA: [seq_len, Hq, D]
-        v = v.repeat_interleave(group, dim=1)
-
-        q_pos = torch.arange(seq_len - query_len, seq_len, device=q.device)[:, None]
-        k_pos = torch.arange(seq_len, device=q.device)[None, :]
-        allowed = k_pos <= q_pos
-        if sliding_window is not None:
-            allowed &= k_pos > q_pos - sliding_window
-        if tree_bits is not None:
-            rows = tree_bits[start:end].to(q.device)[:, None]
-            j = (k_pos - (seq_len - query_len)).clamp(min=0)        # index among the new keys
-            seen = ((rows >> j.clamp(max=63)) & 1).bool() & (j < 64)
-            allowed &= (rows == -1) | (k_pos < seq_len - query_len) | seen
-
-        scores = torch.einsum("qhd,khd->hqk", q[start:end].float(), k) * scale
-        probs = scores.masked_fill(~allowed, float("-inf")).softmax(dim=-1)
-        out[start:end] = torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
-    return out
 
 
 if HAS_TRITON:
@@ -260,7 +217,7 @@ if HAS_TRITON:
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
         qk_scale = scale * k_scale
-        if HAS_TREE:  # a draft tree: per query row, which of the sequence's new keys it sees (-1: all)
+        if HAS_TREE:  # a draft tree: per query row, which of the sequence's last 64 keys it sees (-1: all)
             bits = tl.load(tree_bits_ptr + q_start + rows, mask=row_ok, other=-1)
 
         # This tile's queries see keys from its first query's window start up to its last
@@ -280,10 +237,10 @@ if HAS_TRITON:
             v = v.to(q.dtype)
             allowed = ((k_pos[None, :] <= q_pos[:, None])
                        & (k_pos[None, :] > q_pos[:, None] - window) & k_ok[None, :])
-            if HAS_TREE:  # new key j is seen only where bit j is set
-                j = k_pos - context_len
+            if HAS_TREE:  # the key at seq_len - 64 + j is seen only where bit j is set
+                j = k_pos - (seq_len - 64)
                 bit = (bits[:, None] >> tl.minimum(tl.maximum(j, 0), 63).to(tl.int64)[None, :]) & 1
-                allowed &= (bits[:, None] == -1) | (j < 0)[None, :] | ((bit != 0) & (j < 64)[None, :])
+                allowed &= (bits[:, None] == -1) | (j < 0)[None, :] | (bit != 0)
             m_i, l_i, acc = _online_softmax_step(q, k, v, allowed, m_i, l_i, acc, qk_scale,
                                                  DOT_PRECISION)
 

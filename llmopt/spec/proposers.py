@@ -42,7 +42,7 @@ class NgramProposer:
     def bytes_per_block(self, block_size: int) -> int:
         return 0
 
-    def bind(self, block_manager, num_blocks: int) -> None:
+    def bind(self, block_manager, num_blocks: int, compiled: bool = False) -> None:
         pass
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
@@ -76,14 +76,47 @@ class _ModelProposer:
         return PagedKVCache.bytes_per_block(self.num_layers, block_size, c.num_key_value_heads,
                                             c.head_dim, self.dtype)
 
-    def bind(self, block_manager, num_blocks: int) -> None:
+    def bind(self, block_manager, num_blocks: int, compiled: bool = False) -> None:
+        """Take the target's block tables and a pool of as many blocks; `compiled`: the engine
+        runs its steps compiled, and so may this proposer's layers (enable_compiled)."""
         c = self.cfg
         self.bm = block_manager
         self.kv_cache = PagedKVCache(self.num_layers, num_blocks, block_manager.block_size,
                                      c.num_key_value_heads, c.head_dim, self.dtype, self.device)
+        if compiled:
+            self.enable_compiled()
 
     def forget(self, request_id: str) -> None:
         self.fed.pop(request_id, None)
+
+    compiled = None  # the proposer's own layers in one C++ call, when the engine runs compiled
+
+    def enable_compiled(self) -> str | None:
+        """Draft through the compiled step (llmopt/worker/compiled_decode.py) where it can run
+        this proposer's layers on its pool, as the target's decode steps do; returns why not."""
+        from llmopt.worker.compiled_decode import CompiledLayers, why_not_layers
+
+        stack = self._stack()
+        if stack is None or not hasattr(stack, "layers"):
+            return f"{type(self).__name__} drafts with a model that is not a decoder stack"
+        reason = why_not_layers(stack.layers, self.dtype, self.kv_cache, self.device)
+        if reason is None:
+            self.compiled = CompiledLayers(stack.layers, stack.rotary_emb, self.kv_cache, self.dtype)
+            self.compiled_stack = stack  # (a capture of these layers: not of a model swapped in later)
+        return reason
+
+    def _compiled_runs(self) -> bool:
+        meta = self.kv_cache.metadata
+        return (self.compiled is not None and self._stack() is self.compiled_stack
+                and (meta.tree_masks is None or meta.tree_bits is not None))
+
+    def _layers(self, x: torch.Tensor, positions: torch.Tensor, eager) -> torch.Tensor:
+        """The proposer's decoder layers on x (the step's metadata is the pool's), compiled or eager."""
+        if not self._compiled_runs() or x.dtype != self.dtype:
+            return eager(x)
+        h = x.contiguous().clone()
+        self.compiled.run(h, self.kv_cache.metadata)
+        return h
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """The radix cache copied these blocks in the target's pool: the same here."""
@@ -133,6 +166,11 @@ class _ModelProposer:
             self.fed[s.request_id] = (s.num_preemptions, self._fed_after(s, d))
         return [(d, None if s.params.greedy else torch.stack(q)) for s, d, q in zip(seqs, drafts, qs)]
 
+    def _eager_layers(self, layers, rotary, positions, x):
+        for layer in layers:
+            x = layer(positions, x, rotary, self.kv_cache)
+        return x
+
     def _pick(self, logits: torch.Tensor, seq: Sequence) -> tuple[int, torch.Tensor | None]:
         if seq.params.greedy:
             return int(logits.argmax()), None
@@ -150,8 +188,17 @@ class DraftModelProposer(_ModelProposer):
         super().__init__(draft_model.config, draft_model.config.num_hidden_layers, dtype, device)
         self.model = draft_model
 
+    def _stack(self):
+        return getattr(self.model, "model", None)
+
     def _forward(self, ids, positions, seqs, starts, active, prev, last):
-        hidden = self.model(ids, positions, self.kv_cache)
+        if not self._compiled_runs():
+            hidden = self.model(ids, positions, self.kv_cache)
+        else:
+            stack = self.model.model
+            hidden = stack.embed_tokens(ids).contiguous()
+            self.compiled.run(hidden, self.kv_cache.metadata)
+            hidden = stack.norm(hidden)
         return self.model.compute_logits(hidden[last]), None
 
     def _fed_after(self, seq: Sequence, drafts: list[int]) -> list[int]:
@@ -187,8 +234,8 @@ class EagleProposer(_ModelProposer):
         feature = block_size * self.cfg.hidden_size * torch.empty((), dtype=self.dtype).element_size()
         return super().bytes_per_block(block_size) + feature
 
-    def bind(self, block_manager, num_blocks: int) -> None:
-        super().bind(block_manager, num_blocks)
+    def bind(self, block_manager, num_blocks: int, compiled: bool = False) -> None:
+        super().bind(block_manager, num_blocks, compiled)
         self.features = torch.zeros(num_blocks * block_manager.block_size, self.cfg.hidden_size,
                                     dtype=self.dtype, device=self.device)
 
@@ -216,9 +263,18 @@ class EagleProposer(_ModelProposer):
             prev_features[slots < 0] = 0
         else:  # drafting: the head's own predicted feature of the previous position
             prev_features = prev
-        embeds = self.target.model.embed_tokens(ids)
-        feats = self.head(embeds, prev_features, positions, self.kv_cache)[last]
+        feats = self.head_forward(ids, prev_features, positions)[last]
         return self.draft_logits(feats), feats
+
+    def head_forward(self, ids: torch.Tensor, prev_features: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The head's predicted features (spec/eagle.py's forward), its layer compiled when it can be."""
+        head = self.head
+        x = head.fc(torch.cat([self.target.model.embed_tokens(ids), prev_features], dim=-1))
+        x = self._layers(x, positions, lambda x: self._eager_layers(head.layers, head.rotary_emb, positions, x))
+        return head.norm(x)
+
+    def _stack(self):
+        return self.head
 
     def _fed_after(self, seq: Sequence, drafts: list[int]) -> list[int]:
         return list(seq.token_ids)  # draft positions saw predicted features: recompute them

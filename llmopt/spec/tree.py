@@ -24,7 +24,7 @@ import torch
 
 from llmopt.layers.attention import AttentionMetadata
 from llmopt.sequence import Sequence
-from llmopt.worker.draft_tree import DraftTree, ancestor_matrix
+from llmopt.worker.draft_tree import MASK_KEYS, DraftTree, ancestor_matrix, mask_bits
 
 
 def check_tree_config(tree, depth: int) -> dict:
@@ -108,10 +108,13 @@ def draft_trees(proposer, seqs: list[Sequence], depths: list[int], top_k: int, b
         meta = AttentionMetadata.paged([tables[b] for b in active], ctx, [K] * len(active), bs, dev)
         meta.positions = torch.tensor([len(seqs[b]) - 1 + r for b in active for _ in range(K)], device=dev)
         meta.tree_masks = [_front_mask(len(seqs[b]), fed[b], fronts[b], parents[b], dev) for b in active]
+        if all(len(fed[b]) + K <= MASK_KEYS for b in active):  # the kernels' form: the drafted keys' bits
+            meta.tree_bits = torch.tensor([x for b, m in zip(active, meta.tree_masks)
+                                           for x in mask_bits(m[:, len(seqs[b]):])], device=dev)
         ids = torch.tensor([tokens[b][n] for b in active for n in fronts[b]], device=dev)
         prev = torch.stack([node_feats[b, parents[b][n]] for b in active for n in fronts[b]])
         proposer.kv_cache.begin_step(meta)
-        out = proposer.head(proposer.target.model.embed_tokens(ids), prev, meta.positions, proposer.kv_cache)
+        out = proposer.head_forward(ids, prev, meta.positions)
         top = proposer.draft_logits(out).log_softmax(-1).topk(K, dim=-1)
         for a, b in enumerate(active):
             fed[b] += fronts[b]

@@ -48,16 +48,20 @@ def dense_kernel_max_rows(dtype: torch.dtype) -> int:
 
 def why_not(model, kv_cache, device) -> str | None:
     """Why the compiled step cannot run this model on this pool (None when it can)."""
+    return why_not_layers(model.model.layers, model.model.embed_tokens.weight.dtype, kv_cache, device)
+
+
+def why_not_layers(layers, dtype, kv_cache, device) -> str | None:
+    """Why these decoder layers cannot run compiled on this pool (None when they can)."""
     from llmopt.model.llama import LlamaDecoderLayer
 
     if torch.device(device).type != "cpu":
         return "the compiled decode step is for the CPU (CUDA would capture a graph)"
-    dtype = model.model.embed_tokens.weight.dtype
     if dtype not in (torch.float32, torch.bfloat16):
         return f"dtype {dtype} (it runs float32 and bfloat16)"
     if getattr(kv_cache, "layout", None) != "paged" or kv_cache.cache_dtype != dtype:
         return "the KV pool is not a paged pool in the model's dtype (FP8 pools decode eagerly)"
-    for layer in model.model.layers:
+    for layer in layers:
         if type(layer) is not LlamaDecoderLayer:
             return f"{type(layer).__name__} layers (it runs Llama-family decoders)"
         for name in LINEARS:
@@ -72,51 +76,66 @@ def why_not(model, kv_cache, device) -> str | None:
     return None
 
 
-class CompiledDecode:
-    """`forward(input_ids, meta)` = the model's hidden states for a decode step, in one C++ call."""
+class CompiledLayers:
+    """`run(h, meta)`: Llama decoder layers over a paged pool in one C++ call, h updated in
+    place (before any final norm). The target's whole stack runs so (CompiledDecode below), and
+    so does an EAGLE head's one layer (llmopt/spec/proposers.py)."""
 
-    def __init__(self, model, kv_cache):
-        self.model, self.kv_cache = model, kv_cache
-        cfg, stack = model.config, model.model
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.eps = float(stack.norm.eps)
-        self.dtype = stack.embed_tokens.weight.dtype
+    def __init__(self, layers, rotary, kv_cache, dtype: torch.dtype):
+        self.kv_cache, self.rotary, self.dtype = kv_cache, rotary, dtype
+        attn = layers[0].self_attn
+        self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        self.eps = float(layers[0].input_layernorm.eps)
         self.norms, self.tensors, self.kinds = [], [], []
-        self.unit_scales = [1.0] * len(stack.layers)  # the pool is in the model's dtype: no FP8 scales
-        self.windows = [0 if layer.self_attn.window is None else int(layer.self_attn.window) for layer in stack.layers]
-        none = torch.empty(0, dtype=self.dtype)  # (what a layer does not have: bias, min, blocks)
+        self.unit_scales = [1.0] * len(layers)  # the pool is in the model's dtype: no FP8 scales
+        self.windows = [0 if layer.self_attn.window is None else int(layer.self_attn.window) for layer in layers]
+        none = torch.empty(0, dtype=dtype)  # (what a layer does not have: bias, min, blocks)
         self.no_tree = torch.empty(0, dtype=torch.int64)  # causal rows: no draft tree's mask
         self.int8, self.max_rows = True, 1 << 30
-        self.dense_rows = dense_kernel_max_rows(self.dtype)
-        for layer in stack.layers:
+        self.dense_rows = dense_kernel_max_rows(dtype)
+        for layer in layers:
             self.norms += [layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach()]
             for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
-                bias = none if lin.bias is None else lin.bias.detach().to(self.dtype)
+                bias = none if lin.bias is None else lin.bias.detach().to(dtype)
                 if isinstance(lin, GGUFLinear):
                     b = lin.weight_blocks
-                    self.int8, self.max_rows = lin.activations == "int8", KERNEL_MAX_ROWS[self.dtype]
+                    self.int8, self.max_rows = lin.activations == "int8", KERNEL_MAX_ROWS[dtype]
                     mn = b._no_min if b.m is None else b.m
                     # the dense copy is what prompts (and decode batches above KERNEL_MAX_ROWS) multiply by
-                    self.tensors += [lin.dense_weight(self.dtype), b.qs, b.d, mn, bias]
+                    self.tensors += [lin.dense_weight(dtype), b.qs, b.d, mn, bias]
                     self.kinds.append(b.ggml_type)
                 else:
                     self.tensors += [lin.weight.detach(), none, none, none, bias]
                     self.kinds.append(0)
 
-    @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        stack, pool = self.model.model, self.kv_cache
+    def run(self, h: torch.Tensor, meta: AttentionMetadata) -> None:
+        pool = self.kv_cache
         pool.begin_step(meta)
-        h = stack.embed_tokens(input_ids).contiguous()  # a fresh tensor: the C++ step updates it in place
-        rotary = stack.rotary_emb
-        cos = rotary.cos[meta.positions].to(self.dtype).contiguous()
-        ssin = rotary.signed_sin[meta.positions].to(self.dtype).contiguous()
+        cos = self.rotary.cos[meta.positions].to(self.dtype).contiguous()
+        ssin = self.rotary.signed_sin[meta.positions].to(self.dtype).contiguous()
         tree = self.no_tree if meta.tree_bits is None else meta.tree_bits
         cpu.load().decode_layers(
             h, cos, ssin, self.norms, self.tensors, self.kinds, self.int8, self.max_rows, self.dense_rows, pool.k, pool.v,
             self.unit_scales, self.unit_scales, self.windows,
             meta.slot_mapping.long(), meta.block_table_tensor, meta.query_start_loc, meta.seq_lens_tensor, tree,
             self.num_heads, self.num_kv_heads, self.head_dim, self.eps)
+
+
+class CompiledDecode:
+    """`forward(input_ids, meta)` = the model's hidden states for a decode step, in one C++ call."""
+
+    def __init__(self, model, kv_cache):
+        self.model, self.kv_cache = model, kv_cache
+        stack = model.model
+        self.dtype = stack.embed_tokens.weight.dtype
+        self.layers = CompiledLayers(stack.layers, stack.rotary_emb, kv_cache, self.dtype)
+        self.dense_rows = self.layers.dense_rows
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        stack = self.model.model
+        h = stack.embed_tokens(input_ids).contiguous()  # a fresh tensor: the C++ step updates it in place
+        self.layers.run(h, meta)
         return stack.norm(h)
 
     @torch.inference_mode()

@@ -57,16 +57,27 @@ def tree_mask(context: int, parents: list[int], device="cpu") -> torch.Tensor:
     return torch.cat([torch.ones(len(parents) + 1, context, dtype=torch.bool, device=device), tree], dim=1)
 
 
-# The C++ kernel takes a tree's mask as one int64 per row (bit j: new key j), the root included.
-MAX_KERNEL_NODES = 62
+# The kernels take a tree's mask as one int64 per query row over its sequence's last 64 keys
+# (bit j: the key at seq_len - 64 + j; every earlier key is seen): the root and 63 nodes fit.
+MASK_KEYS = 64
+MAX_KERNEL_NODES = MASK_KEYS - 1
+
+
+def mask_bits(mask: torch.Tensor) -> list[int]:
+    """A boolean [rows, m] mask over a sequence's last m <= 64 keys, in the kernels' form."""
+    rows, m = mask.shape
+    if m > MASK_KEYS:
+        raise ValueError(f"a kernel mask covers the last {MASK_KEYS} keys, got {m}")
+    out, before = [], (1 << (MASK_KEYS - m)) - 1  # the keys before those m: always seen
+    for row in mask.tolist():
+        v = before + sum(1 << (MASK_KEYS - m + j) for j, seen in enumerate(row) if seen)
+        out.append(v - (1 << 64) if v >= 1 << 63 else v)  # as a signed int64
+    return out
 
 
 def tree_bits(parents: list[int]) -> list[int]:
-    """Each row of ancestor_matrix(parents) as an integer, bit j for column j."""
-    rows = [1]  # the root sees itself
-    for i, p in enumerate(parents):
-        rows.append(rows[p + 1] | (1 << (i + 1)))
-    return rows
+    """The verification rows (root, nodes...) of a tree: each sees the root and its ancestors."""
+    return mask_bits(ancestor_matrix(parents))
 
 
 def add_tree_layout(meta: AttentionMetadata, trees: list[DraftTree | None]) -> None:

@@ -15,7 +15,7 @@ from test_engine import GREEDY, PROMPTS, tokens
 from llmopt import LLM, SamplingParams, model_path
 from llmopt.config import EngineConfig
 from llmopt.fp8 import quantize_fp8
-from llmopt.kernels.paged_attention import paged_attention_ref
+from llmopt.kernels.paged_attention_ref import paged_attention_ref
 from llmopt.layers.attention import AttentionMetadata, attention
 from llmopt.worker.kv_cache import (
     PagedKVCache,

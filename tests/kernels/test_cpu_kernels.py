@@ -25,7 +25,8 @@ from gguf.quants import dequantize, quantize
 from llmopt.kernels import cpu
 from llmopt.kernels.cpu.gguf_blocks import GGUFBlockWeight, quantize_activations
 from llmopt.kernels.cpu.paged_attention import paged_attention_cpu
-from llmopt.kernels.paged_attention import paged_attention_ref, write_kv
+from llmopt.kernels.paged_attention import write_kv
+from llmopt.kernels.paged_attention_ref import paged_attention_ref
 from llmopt.worker.draft_tree import tree_bits, tree_mask
 
 needs_kernels = pytest.mark.skipif(not cpu.available(), reason=f"no C++ CPU kernels: {cpu.why_unavailable()}")
@@ -114,8 +115,8 @@ def test_draft_tree_masks_equal_reference(dtype, group):
     check_attention(batch, tree_bits=torch.tensor(bits))
     long = paged_batch([700], [10], num_kv_heads=1, group=group, dtype=dtype, seed=30 + group)
     check_attention(long, tree_bits=torch.tensor(random_tree_bits(10, g)))
-    widest = paged_batch([90], [63], group=group, dtype=dtype, seed=40 + group)  # 62 nodes: every bit
-    check_attention(widest, tree_bits=torch.tensor(random_tree_bits(63, g)))
+    widest = paged_batch([90], [64], group=group, dtype=dtype, seed=40 + group)  # 63 nodes: every bit
+    check_attention(widest, tree_bits=torch.tensor(random_tree_bits(64, g)))
 
 
 def test_tree_bits_reference_is_the_ancestor_mask():

@@ -175,6 +175,7 @@ def test_verification_takes_the_compiled_step_and_keeps_plain_greedy(plain, spec
     llm = LLM(model="tiny", speculative_config=spec, enable_prefix_caching=False)
     runner = llm.llm_engine.runner
     assert llm.llm_engine.decode_path == "compiled"
+    assert llm.llm_engine.proposer.compiled is not None  # the head drafts through it too
     seen = []
     real = runner.compiled.forward
     monkeypatch.setattr(runner.compiled, "forward", lambda ids, meta: seen.append(meta) or real(ids, meta))

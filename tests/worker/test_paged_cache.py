@@ -3,7 +3,7 @@ it builds) equal the paged-attention reference."""
 
 import torch
 
-from llmopt.kernels.paged_attention import paged_attention_ref
+from llmopt.kernels.paged_attention_ref import paged_attention_ref
 from llmopt.layers.attention import AttentionMetadata, attention
 from llmopt.worker.kv_cache import PagedKVCache
 

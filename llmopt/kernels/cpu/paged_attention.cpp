@@ -10,9 +10,10 @@
 // slot held before its token was written (another request's NaN) can reach an output.
 //
 // A draft tree (llmopt/worker/draft_tree.py) is verified in the same call: `tree_bits` holds, per
-// query row, which of its sequence's new keys it may see (bit j: new key j; -1: all, i.e. plain
-// causal rows), so a node sees the context and its own ancestors only. Rows with a mask take the
-// general loop over the new keys' blocks; everything else is unchanged.
+// query row, which of its sequence's last 64 keys it may see (bit j: the key at seq_len - 64 + j;
+// -1: all, i.e. a plain causal row; keys before those 64 are always seen), so a node sees the
+// context and its own ancestors only. Rows with a mask take the general loop over the blocks that
+// hold those keys; everything else is unchanged.
 #include <ATen/Parallel.h>
 #include <ATen/record_function.h>
 #include <ATen/core/Tensor.h>
@@ -31,6 +32,7 @@ namespace llmopt {
 
 constexpr int64_t QUERY_TILE = 16;   // new tokens per item: keeps a prompt's rows in L1/L2
 constexpr int64_t MIN_SLICE = 128;   // keys per slice, at least: below this merging costs more
+constexpr int64_t TREE_KEYS = 64;    // a tree row's mask covers its sequence's last 64 keys
 
 enum KVFormat { KV_F32, KV_BF16, KV_E4M3, KV_E5M2 };
 
@@ -125,7 +127,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const 
   const bool masked = tree_bits.defined() && tree_bits.numel() > 0;
   TORCH_CHECK_VALUE(!masked || (tree_bits.scalar_type() == at::kLong && tree_bits.is_contiguous() &&
                                 tree_bits.dim() == 1 && tree_bits.size(0) == T),
-                    "tree_bits must be contiguous int64 [T] (one mask of new keys per query row), got ",
+                    "tree_bits must be contiguous int64 [T] (a mask of the last 64 keys per query row), got ",
                     tree_bits.sizes(), " ", tree_bits.scalar_type());
   TORCH_CHECK_VALUE(!masked || window == 0, "draft-tree steps do not support sliding-window attention");
   const int64_t* bits = masked ? tree_bits.data_ptr<int64_t>() : nullptr;
@@ -204,7 +206,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const 
                              : static_cast<const float*>(qp)[src + j]);
         }
       const bool tree = row_masked(it);
-      const int64_t ctx = L - (qsl[it.seq + 1] - qsl[it.seq]);  // the new keys start here
+      const int64_t masked_from = L - TREE_KEYS;  // a tree row's bits cover the keys from here
       bool in_registers = false;  // one new token's rows (paged_attention_avx512.h, 1)
 #ifdef LLMOPT_ATTN_AVX512
       if (nq == 1 && !tree && (fmt == KV_F32 || fmt == KV_BF16)) {
@@ -234,7 +236,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const 
           return std::pair<int64_t, int64_t>(std::max(p0, window > 0 ? pos - window + 1 : int64_t(0)),
                                              std::min(p1, pos + 1));
         };
-        const bool tree_block = tree && p1 > ctx;  // holds new keys some row may not see
+        const bool tree_block = tree && p1 > masked_from;  // holds keys some row may not see
 #ifdef LLMOPT_ATTN_AVX512
         if (!tree_block && attn::block_rows_tiled(qf.data(), rows, D, kf.data(), vf.data(), p0, p1 - p0, fscale, range, m.data(),
                                    l.data(), acc.data(), kT.data())) {  // (paged_attention_avx512.h, 2)
@@ -249,8 +251,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const 
           float mx = m[r];
           const int64_t rb = tree_block ? bits[it.q0 + r / G] : -1;
           for (int64_t p = a; p < b; ++p) {
-            const int64_t j = p - ctx;  // new key j is hidden from a tree row unless bit j is set
-            s[p - p0] = rb != -1 && j >= 0 && (j >= 64 || !((rb >> j) & 1))
+            const int64_t j = p - masked_from;  // hidden from a tree row unless its bit j is set
+            s[p - p0] = rb != -1 && j >= 0 && !((uint64_t(rb) >> j) & 1)
                             ? -std::numeric_limits<float>::infinity()
                             : dot(qr, kf.data() + (p - p0) * D, D) * fscale;
             mx = std::max(mx, s[p - p0]);

@@ -13,7 +13,8 @@ from __future__ import annotations
 import torch
 
 from llmopt.kernels import cpu
-from llmopt.kernels.paged_attention import FP8_DTYPES, paged_attention_ref
+from llmopt.kernels.paged_attention import FP8_DTYPES
+from llmopt.kernels.paged_attention_ref import paged_attention_ref
 
 QUERY_DTYPES = (torch.float32, torch.bfloat16)
 POOL_DTYPES = (torch.float32, torch.bfloat16) + FP8_DTYPES
@@ -37,9 +38,9 @@ def paged_attention_cpu(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Ten
     the keys at positions <= their own, and > their own minus `window` when one is given.
     Softmax and sums run in fp32. Slots no query may see are never read.
 
-    tree_bits: [T] int64 or None, a draft tree's mask (llmopt/worker/draft_tree.py): bit j of row
-    t set when query t may see its sequence's new key j (the key at seq_len - n + j), -1 for a
-    causal row. A tree row sees all of its context and, of the new keys, those bits only.
+    tree_bits: [T] int64 or None, a draft tree's mask (llmopt/worker/draft_tree.py `mask_bits`):
+    bit j of row t set when query t may see the key at seq_len - 64 + j of its sequence, -1 for
+    a causal row. A tree row sees every earlier key and, of the last 64, those bits only.
     """
     for name, t, dtypes in (("q", q, QUERY_DTYPES), ("k_pool", k_pool, POOL_DTYPES), ("v_pool", v_pool, POOL_DTYPES)):
         if t.dtype not in dtypes or t.device.type != "cpu":
