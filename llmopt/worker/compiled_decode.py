@@ -19,7 +19,8 @@ steps (a sequence's last token plus its k drafts, a chain or an EAGLE-2 tree und
 mask: the step that must cost about one decode step for speculation to pay), on the CPU, for
 Llama-family models whose linears are dense or GGUF blocks and whose KV pool is in the model's
 dtype; anything else (prompts, FP8 pools, other quantized layers, tensor or pipeline
-parallelism) runs eagerly, and `why_not` says which.
+parallelism) runs eagerly, and `why_not` says which. A draft model or an EAGLE head drafts
+through the same call (`CompiledLayers`), so a speculative step has no eager stretch left.
 """
 
 from __future__ import annotations
