@@ -9,11 +9,15 @@ sampler walks it (llmopt/layers/tree_sampler.py, `accepted_path` in llmopt/worke
 
 from __future__ import annotations
 
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+import ipywidgets as widgets
+
+from llmopt.sampling_params import SamplingParams
 from llmopt.spec.proposers import EagleTreeProposer
-from llmopt.viz.notebook import format_table
+from llmopt.viz.notebook import LABEL_STYLE, LessonWidget, format_table, show_outputs
 from llmopt.viz.spec import show_token
 from llmopt.worker.draft_tree import DraftTree
 
@@ -91,3 +95,53 @@ def tree_summary(trees: list[DraftedTree], outputs: dict[str, list[int]]) -> str
     rows = tree_rows(trees, outputs)
     mean = sum(r["accepted"] for r in rows) / max(1, len(rows))
     return format_table(rows[:8]) + f"\n{len(rows)} trees, {mean:.2f} nodes accepted per tree on average"
+
+
+def tree_widget(make_llm, request, head: str = "smollm2-eagle", top_k: int = 4, depth: int = 5,
+                total_tokens: int = 16, max_tokens: int = 48) -> LessonWidget:
+    """Turn EAGLE-2's knobs on a live request: tree width (`top_k`), depth (`num_speculative_tokens`)
+    and node budget (`total_tokens`). Each change drafts with a fresh engine, `make_llm(speculative_config)`
+    (SmolLM2 with its head `smollm2-eagle` in lesson 05), on `request` (chat messages, or a prompt),
+    and shows the tree with the longest accepted path, the acceptance length, and the time per
+    token against plain decoding's."""
+    style = LABEL_STYLE
+    width = widgets.IntSlider(value=top_k, min=1, max=6, description="top_k (width)", continuous_update=False,
+                              style=style)
+    deep = widgets.IntSlider(value=depth, min=1, max=7, description="depth", continuous_update=False, style=style)
+    budget = widgets.IntSlider(value=total_tokens, min=2, max=48, step=2, description="total_tokens",
+                               continuous_update=False, style=style)
+    out = widgets.Output()
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    plain = {}
+
+    def timed(llm):
+        t0 = time.perf_counter()
+        run = llm.chat if isinstance(request, list) else llm.generate
+        res = run(request, params, use_tqdm=False)[0]
+        return res, (time.perf_counter() - t0) / max(1, len(res.outputs[0].token_ids))
+
+    def redraw(*_):
+        if not plain:  # plain decoding's time per token, once
+            plain["result"], plain["seconds"] = timed(make_llm(None))
+        sc = {"method": "eagle", "model": head, "num_speculative_tokens": deep.value,
+              "tree": {"top_k": width.value, "total_tokens": budget.value}}
+        llm = make_llm(sc)
+        with recording_trees(llm) as trees:
+            res, seconds = timed(llm)
+        ids = list(res.outputs[0].token_ids)
+        best = max(trees, key=lambda t: len(accepted_nodes(t, ids)), default=None)
+        m = llm.get_metrics()
+        row = {"top_k": width.value, "depth": deep.value, "total_tokens": budget.value,
+               "trees": len(trees), "acceptance length": 1 + m["spec_decode_num_accepted_tokens"]
+               / max(1, m["spec_decode_num_drafts"]),
+               "ms / token": 1e3 * seconds, "plain ms / token": 1e3 * plain["seconds"],
+               "same text as plain": res.outputs[0].text == plain["result"].outputs[0].text}
+        drawn = "" if best is None else (f"the tree with the longest accepted path ({len(accepted_nodes(best, ids))} "
+                                         f"nodes, `*`), drafted after {best.made} output tokens:\n"
+                                         + tree_text(best.tree, llm.tokenizer, accepted_nodes(best, ids)))
+        show_outputs(out, format_table([row]), drawn)
+
+    for w in (width, deep, budget):
+        w.observe(redraw, names="value")
+    redraw()
+    return LessonWidget("EAGLE-2 tree: width, depth, budget", [widgets.HBox([width, deep, budget]), out])

@@ -312,3 +312,26 @@ def test_recorded_trees_and_their_accepted_paths_spell_the_output():
         with recording_trees(make_llm()):
             pass
     assert "propose" not in vars(llm.llm_engine.proposer)  # the proposer is itself again
+
+
+def test_tree_widget_runs_and_redraws():
+    """The EAGLE-2 knobs' widget: a live run per setting, the accepted path marked in the tree
+    drawn, the table's settings following the sliders, greedy text equal to plain decoding's."""
+    from llmopt.viz.spec_tree import tree_widget
+
+    made = []
+
+    def make(sc):
+        made.append(sc)
+        return make_llm(speculative_config=sc)
+
+    w = tree_widget(make, "def fibonacci(n):\n    if n < 2:\n", head="tiny-eagle", top_k=2, depth=3,
+                    total_tokens=6, max_tokens=16)
+    assert repr(w).startswith("[interactive widget: EAGLE-2 tree")
+    assert made[0] is None and made[1]["tree"] == {"top_k": 2, "total_tokens": 6}
+    table, tree = (o["text"] for o in w.children[1].outputs)
+    assert "acceptance length" in table and table.splitlines()[2].split()[:3] == ["2", "3", "6"]
+    assert table.splitlines()[2].split()[-1] == "True"  # same text as plain
+    assert "*" in tree
+    w.children[0].children[0].value = 3  # top_k
+    assert made[-1]["tree"]["top_k"] == 3 and len(made) == 3  # plain ran once
