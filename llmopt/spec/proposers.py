@@ -110,10 +110,8 @@ class _ModelProposer:
         return (self.compiled is not None and self._stack() is self.compiled_stack
                 and (meta.tree_masks is None or meta.tree_bits is not None))
 
-    def _layers(self, x: torch.Tensor, positions: torch.Tensor, eager) -> torch.Tensor:
-        """The proposer's decoder layers on x (the step's metadata is the pool's), compiled or eager."""
-        if not self._compiled_runs() or x.dtype != self.dtype:
-            return eager(x)
+    def _run_compiled(self, x: torch.Tensor) -> torch.Tensor:
+        """The proposer's decoder layers on x in one C++ call (the step's metadata is the pool's)."""
         h = x.contiguous().clone()
         self.compiled.run(h, self.kv_cache.metadata)
         return h
@@ -166,11 +164,6 @@ class _ModelProposer:
             self.fed[s.request_id] = (s.num_preemptions, self._fed_after(s, d))
         return [(d, None if s.params.greedy else torch.stack(q)) for s, d, q in zip(seqs, drafts, qs)]
 
-    def _eager_layers(self, layers, rotary, positions, x):
-        for layer in layers:
-            x = layer(positions, x, rotary, self.kv_cache)
-        return x
-
     def _pick(self, logits: torch.Tensor, seq: Sequence) -> tuple[int, torch.Tensor | None]:
         if seq.params.greedy:
             return int(logits.argmax()), None
@@ -192,13 +185,11 @@ class DraftModelProposer(_ModelProposer):
         return getattr(self.model, "model", None)
 
     def _forward(self, ids, positions, seqs, starts, active, prev, last):
-        if not self._compiled_runs():
-            hidden = self.model(ids, positions, self.kv_cache)
-        else:
+        if self._compiled_runs():
             stack = self.model.model
-            hidden = stack.embed_tokens(ids).contiguous()
-            self.compiled.run(hidden, self.kv_cache.metadata)
-            hidden = stack.norm(hidden)
+            hidden = stack.norm(self._run_compiled(stack.embed_tokens(ids)))
+        else:
+            hidden = self.model(ids, positions, self.kv_cache)
         return self.model.compute_logits(hidden[last]), None
 
     def _fed_after(self, seq: Sequence, drafts: list[int]) -> list[int]:
@@ -270,8 +261,9 @@ class EagleProposer(_ModelProposer):
         """The head's predicted features (spec/eagle.py's forward), its layer compiled when it can be."""
         head = self.head
         x = head.fc(torch.cat([self.target.model.embed_tokens(ids), prev_features], dim=-1))
-        x = self._layers(x, positions, lambda x: self._eager_layers(head.layers, head.rotary_emb, positions, x))
-        return head.norm(x)
+        if self._compiled_runs() and x.dtype == self.dtype:
+            return head.norm(self._run_compiled(x))
+        return head.norm(head.layers[0](positions, x, head.rotary_emb, self.kv_cache))
 
     def _stack(self):
         return self.head
