@@ -21,13 +21,15 @@ OUTPUT_TYPES = ("display_data", "execute_result", "stream", "error")
 
 RECORD = """() => {
   const k = %s;
-  window.__sent = []; window.__iopub = {}; window.__pageComms = {};
+  window.__sent = []; window.__iopub = {}; window.__pageComms = {}; window.__kernelComms = {};
   k.anyMessage.connect((_, args) => {
     const m = args.msg;
     if (args.direction === 'send' && m.header.msg_type === 'execute_request') {
       window.__sent.push({id: m.header.msg_id, code: m.content.code});
     } else if (args.direction === 'send' && m.header.msg_type === 'comm_open') {
       window.__pageComms[m.content.comm_id] = m.content.target_name;
+    } else if (args.direction === 'recv' && m.channel === 'iopub' && m.header.msg_type === 'comm_open') {
+      window.__kernelComms[m.content.comm_id] = m.content.target_name;
     } else if (args.direction === 'recv' && m.channel === 'iopub' && m.parent_header && m.parent_header.msg_id
                && %s.includes(m.header.msg_type)) {
       (window.__iopub[m.parent_header.msg_id] = window.__iopub[m.parent_header.msg_id] || [])
@@ -57,33 +59,33 @@ def recorded(page: Page) -> tuple[list[dict], dict[str, list[dict]]]:
 
 
 def page_comms(page: Page) -> dict[str, str]:
-    """{comm id: target name} of the comms the page itself opened."""
-    return page.evaluate("() => window.__pageComms")
+    """{comm id: target name} of the comms opened while the recorder ran, by the page (the widget
+    manager's control comm) or by the kernel (every widget a cell made)."""
+    return page.evaluate("() => Object.assign({}, window.__pageComms, window.__kernelComms)")
 
 
 # The widget manager opens a control comm when it connects to a kernel, to ask for the state of
 # widgets made before the page was there. A fresh kernel that has not imported ipywidgets yet has
 # no such target: it logs "No such comm target registered: jupyter.widget.control" and drops the
 # comm, and the manager's next message on it makes the kernel log "No such comm <id>". No widget
-# exists then, so there is nothing to restore and nothing the learner misses. Which of the two lines
-# reaches the recorder depends on how long the kernel took to start (a lesson importing torch and
-# gguf at the top is slower), so both are recognised. "No such comm <id>" is harmless for the
-# control comm's id; when the kernel was that slow, the page opened the control comm before the
-# recorder started, so an id the recorder never saw opened counts as the control comm's once the
-# kernel has said it had no control target.
+# exists then, so there is nothing to restore and nothing the learner misses. When the kernel was
+# slow to start, the page opened the control comm (and the kernel may have logged the first line)
+# before the recorder started, so neither the comm's opening nor that line is on record. The
+# recorder starts before any cell runs, so every widget's comm (opened by the kernel) is on record:
+# a "No such comm <id>" for an id nobody opened on record is the control comm's and harmless; for a
+# widget's id it is a lost widget and is reported.
 CONTROL_TARGET = "jupyter.widget.control"
 HARMLESS_KERNEL_LOG = re.compile(r"^No such comm: (\S+)\s*$")
 HARMLESS_NO_TARGET = re.compile(r"^No such comm target registered: " + re.escape(CONTROL_TARGET) + r"\s*$")
 
 
-def _harmless(line: str, comms: dict[str, str], no_target_seen: bool) -> bool:
+def _harmless(line: str, comms: dict[str, str]) -> bool:
     if HARMLESS_NO_TARGET.match(line):
         return True
     no_comm = HARMLESS_KERNEL_LOG.match(line)
     if not no_comm:
         return False
-    target = comms.get(no_comm.group(1))
-    return target == CONTROL_TARGET or (target is None and no_target_seen)
+    return comms.get(no_comm.group(1), CONTROL_TARGET) == CONTROL_TARGET
 
 
 def stray_errors(sent: list[dict], iopub: dict[str, list[dict]], comms: dict[str, str]) -> list[str]:
@@ -92,10 +94,9 @@ def stray_errors(sent: list[dict], iopub: dict[str, list[dict]], comms: dict[str
     cells = {r["id"] for r in sent}
     stray = [m for parent, messages in iopub.items() if parent not in cells for m in messages]
     stderr = [m["content"]["text"] for m in stray if m["msg_type"] == "stream" and m["content"].get("name") == "stderr"]
-    no_target_seen = any(HARMLESS_NO_TARGET.match(line) for text in stderr for line in text.splitlines())
     found = [f"{m['content']['ename']}: {m['content']['evalue']}" for m in stray if m["msg_type"] == "error"]
     for text in stderr:
         lines = [line for line in text.splitlines() if line.strip()]
-        if not all(_harmless(line, comms, no_target_seen) for line in lines):
+        if not all(_harmless(line, comms) for line in lines):
             found.append(text)
     return found
