@@ -247,11 +247,12 @@ def run_row(name: str, workdir: Path, max_tokens: int, num_samples: int) -> dict
     del llm
     row["decode_source"], row["decode_engine"] = source, engine_kw
     if spec.get("per_head_kv"):
-        llm = LLM(source, dtype="bfloat16", enforce_eager=True, **engine_kw)
+        llm = LLM(source, **{"dtype": "bfloat16", "enforce_eager": True, **engine_kw})
         calibrate_per_head(llm, spec.get("smooth_keys", False), spec.get("per_channel", False))
         row["decode_tok_s"] = _decode(llm)
     else:
-        row["decode_tok_s"] = _decode(LLM(source, dtype="bfloat16", enforce_eager=True, **engine_kw))
+        # bfloat16 activations unless the row sets its own dtype (the bf16 row does)
+        row["decode_tok_s"] = _decode(LLM(source, **{"dtype": "bfloat16", "enforce_eager": True, **engine_kw}))
     row["load_avg_end"] = os.getloadavg()[0]
     return row
 

@@ -255,13 +255,15 @@ def smollm2_notes(rows: list[dict], base: dict | None, num_samples: int = 32) ->
     names = {r["name"] for r in rows}
     missing = [n for n in DEFAULT_ROWS["smollm2"] if n not in names]
     limits = []
-    if num_samples < 32 or missing:
+    busy = any(r.get("load_before", 0.0) > 1.5 for r in rows)
+    if num_samples < 32 or missing or busy:
         limits = ["- **What this run could afford.** "
                   + (f"Calibration used {num_samples} windows of 512 tokens (the default is 32), "
                      "and fewer calibration tokens give GPTQ a noisier Hessian (for down_proj, 1,536 "
                      "inputs, from only " + f"{num_samples * 512:,} tokens). " if num_samples < 32 else "")
                   + (f"Rows not measured: {', '.join(missing)}. " if missing else "")
-                  + "The run shared two CPU cores with many other jobs (benchmarks/README.md)."]
+                  + ("The run shared the CPU with other jobs (load average above 1.5 before a row): its "
+                     "quantization times are not this machine's." if busy else "")]
     return [
         "", "## Reading this table", "",
         "- **Groups of 64.** SmolLM2's hidden size is 576 = 4.5 x 128, so q/k/v and gate/up (576 inputs) "
