@@ -6,7 +6,7 @@ and the batch-1 and batch speedups (CPU time of this process, one thread,
 `llmopt.bench.spec.bench_spec`). The prompts are not among the head's training prompts
 (scripts/train_eagle_smollm2.py); greedy, float32.
 
-    python benchmarks/spec_eagle_smollm2.py --workload chat
+    python benchmarks/spec_eagle_smollm2.py --workload chat    # 8 requests: batch 1, then batch 8
     python benchmarks/spec_eagle_smollm2.py --workload code    # then both are in the table
 
 Writes benchmarks/results/spec_eagle_smollm2.md and .json (each workload kept, the table
@@ -33,13 +33,16 @@ from llmopt.bench.spec import bench_spec, spec_table
 PROMPTS = {
     "chat": ["What makes a good breakfast?", "Explain how rainbows form.",
              "Give me three ideas for a rainy weekend.", "Why do cats purr?",
-             "How can I become a better listener?", "Describe the life cycle of a butterfly."],
+             "How can I become a better listener?", "Describe the life cycle of a butterfly.",
+             "What should I pack for a week at the beach?", "Why is the sky dark at night?"],
     "code": ["Write a Python function that returns the second largest number in a list.",
              "Write a Python function that counts how often each character occurs in a string.",
              "Write a Python class for a simple bank account with deposit and withdraw methods.",
              "Write a Python function that checks whether two strings are anagrams.",
              "Write a Python function that returns all prime numbers below n.",
-             "Write a Python function that capitalizes the first letter of every word."],
+             "Write a Python function that capitalizes the first letter of every word.",
+             "Write a Python function that converts a Roman numeral to an integer.",
+             "Write a Python function that returns the longest common prefix of a list of strings."],
 }
 RESULTS = Path(__file__).resolve().parent / "results" / "spec_eagle_smollm2.md"
 
@@ -59,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--workload", choices=list(PROMPTS), required=True)
     ap.add_argument("--max-tokens", type=int, default=96)
-    ap.add_argument("--requests", type=int, default=4)
+    ap.add_argument("--requests", type=int, default=8, help="batch 1: one at a time; batch: all at once")
     ap.add_argument("--k", type=int, default=5, help="draft depth of every method (n-gram: tokens)")
     ap.add_argument("--top-k", type=int, default=4)
     ap.add_argument("--total-tokens", type=int, default=16)

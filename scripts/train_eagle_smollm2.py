@@ -225,6 +225,7 @@ def stage_train(args) -> None:
         opt.load_state_dict(saved["opt"])
         state = saved["state"]
     gen = torch.Generator().manual_seed(args.seed + state["step"])
+    state.setdefault("load_before_chunks", []).append(os.getloadavg()[0])  # for the report's header
     t0 = time.time()
     while state["step"] < args.steps and time.time() - t0 < args.max_seconds:
         step = state["step"]
@@ -252,7 +253,8 @@ def stage_save(args) -> None:
               "seed": args.seed, "threads": args.threads, "parameters": sum(p.numel() for p in head.parameters()),
               "heldout_top1_agreement": {f"depth_{d}": agreement(head, target, data["held_seqs"],
                                                                  data["held_feats"], d) for d in (1, 2, 3)},
-              "train_seconds": round(state["seconds"]), "loss_curve": state["curve"]}
+              "train_seconds": round(state["seconds"]), "load_before_chunks": state.get("load_before_chunks", []),
+              "loss_curve": state["curve"]}
     save_head(head, head_config(target.config), args.out, {k: v for k, v in report.items() if k != "loss_curve"},
               dtype=torch.float16)
     (args.out / "draft_vocab.json").write_text(json.dumps(data["vocab"].tolist()) + "\n")
@@ -267,6 +269,14 @@ def cpu_model() -> str:
     text = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
     name = next((line.split(":", 1)[1].strip() for line in text.splitlines() if "Model name" in line), "a CPU")
     return f"{name} ({os.cpu_count()} cores)"
+
+
+def chunk_loads(report: dict) -> str:
+    loads = report.get("load_before_chunks", [])
+    if not loads:
+        return "load average not recorded"
+    return "1-minute load average before each training chunk: " + ", ".join(
+        "not recorded" if x is None else f"{x:.2f}" for x in loads)
 
 
 def stage_report(args) -> None:
@@ -285,8 +295,9 @@ def stage_report(args) -> None:
              f"Trained by `scripts/train_eagle_smollm2.py` on {report['conversations']} conversations SmolLM2 "
              f"wrote itself plus {args.corpus_tokens:,} tokens of standard-library text ({report['train_tokens']} training tokens in all), {report['steps']} steps of batch "
              f"{report['batch']} x {report['seq_len']} tokens, {report['train_seconds']} s of training with "
-             f"{report.get('threads', args.threads)} threads on {cpu_model()}, nothing else running (run in chunks of at most "
-             "--max-seconds; each resumes the optimizer and the learning-rate schedule). "
+             f"{report.get('threads', args.threads)} threads on {cpu_model()}, nothing else running ("
+             f"{chunk_loads(report)}; run in chunks of at most --max-seconds, each resuming the optimizer and "
+             "the learning-rate schedule). "
              f"{report['parameters']:,} parameters; shipped in float16, "
              f"{size / 1e6:.1f} MB on disk (llmopt/bundled/smollm2-eagle). Draft vocabulary: "
              f"{report['draft_vocab']['tokens']} tokens, {report['draft_vocab']['share_of_tokens']:.1%} of the "
