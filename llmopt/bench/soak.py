@@ -158,13 +158,23 @@ class Soak:
         else:
             payload = (b'{"model": "tiny", "prompt": "' + b"x" * (2 << 20) + b'"}' if f.kind == "oversized"
                        else b'{"model": "tiny", "prompt": ')
-            try:
-                r = httpx.post(f"{self.lb.url}/v1/completions", content=payload, timeout=30,
-                               headers={"Content-Type": "application/json"})
-                status = r.status_code
-            except httpx.HTTPError as e:
-                status = f"{type(e).__name__}"
-            self.probes.append({"kind": f.kind, "at": now, "status": status})
+            # A 503 with Retry-After means no replica could take any request at that moment
+            # (all full or restarting): the probe does what every client is told, waits and
+            # retries, so what it records is what a replica said of the body itself.
+            statuses = []
+            for _ in range(5):
+                try:
+                    r = httpx.post(f"{self.lb.url}/v1/completions", content=payload, timeout=30,
+                                   headers={"Content-Type": "application/json"})
+                except httpx.HTTPError as e:
+                    statuses.append(f"{type(e).__name__}")
+                    break
+                statuses.append(r.status_code)
+                wait = r.headers.get("retry-after")
+                if r.status_code != 503 or wait is None:
+                    break
+                time.sleep(float(wait))
+            self.probes.append({"kind": f.kind, "at": now, "status": statuses[-1], "statuses": statuses})
 
     # -- measurements ---------------------------------------------------------------------------
     def _sample(self, stop: threading.Event) -> None:
