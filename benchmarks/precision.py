@@ -45,7 +45,10 @@ ROWS = {
     "fp32": ("fp32 (reference)", dict(engine=dict())),
     "bf16": ("bf16 weights and activations", dict(engine=dict(dtype="bfloat16"))),
     "int8": ("int8 weights, per channel (RTN)", dict(engine=dict(quantization="int8"))),
-    "fp8-w": ("FP8 e4m3 weights, per channel", dict(engine=dict(quantization="fp8"))),
+    "fp8-w": ("FP8 e4m3 weights, per channel (weight-only, as run without FP8 units)",
+              dict(engine=dict(quantization="fp8"))),
+    "fp8-w8a8": ("FP8 e4m3 weights and activations (W8A8, per-token activation scales, as FP8 tensor cores run it)",
+                 dict(engine=dict(quantization="fp8"), fp8_activations=True)),
     "fp8-kv": ("FP8 e4m3 KV, per-tensor scales (calibrated amax)",
                dict(engine=dict(kv_cache_dtype="fp8", calculate_kv_scales=True))),
     "fp8-kv-head": ("FP8 e4m3 KV, per-head scales (calibrated amax)",
@@ -55,6 +58,8 @@ ROWS = {
     "fp8-kv-channel": ("FP8 e4m3 KV, per-channel scales (calibrated amax per head and channel)",
                        dict(engine=dict(kv_cache_dtype="fp8"), per_head_kv=True, per_channel=True)),
     "fp8-kv-unit": ("FP8 e4m3 KV, unit scales", dict(engine=dict(kv_cache_dtype="fp8"))),
+    "fp8-kv-rot": ("FP8 e4m3 KV, per-head scales, keys and values Hadamard-rotated (calibrated amax)",
+                   dict(engine=dict(kv_cache_dtype="fp8"), per_head_kv=True, rotate_kv=True)),
     "rtn4": ("int4 RTN g64", dict(quantize=dict(method="rtn", sym=False, **INT4))),
     "gptq4": ("int4 GPTQ g64", dict(quantize=dict(method="gptq", sym=False, desc_act=True, **INT4))),
     "awq4": ("int4 AWQ g64", dict(quantize=dict(method="awq", **INT4))),
@@ -62,6 +67,9 @@ ROWS = {
                  dict(quantize=dict(method="rtn", sym=False, rotation="hadamard", **INT4))),
     "gptq4-rot": ("int4 GPTQ g64, Hadamard-rotated",
                   dict(quantize=dict(method="gptq", sym=False, desc_act=True, rotation="hadamard", **INT4))),
+    "gptq4-rot-mse": ("int4 GPTQ g64, Hadamard-rotated, grid range searched (mse=2.4)",
+                      dict(quantize=dict(method="gptq", sym=False, desc_act=True, rotation="hadamard", mse=2.4,
+                                         **INT4))),
     "awq4-rot": ("int4 AWQ g64, Hadamard-rotated", dict(quantize=dict(method="awq", rotation="hadamard", **INT4))),
     "nf4": ("NF4 block 64, double quant (bitsandbytes layout)",
             dict(quantize=dict(method="nf4", group_size=64, double_quant=True))),
@@ -93,12 +101,21 @@ def gguf_linear_bytes(path: Path) -> tuple[int, int]:
     return stored, fp16
 
 
-def calibrate_per_head(llm, smooth_keys: bool = False, per_channel: bool = False) -> None:
+def prepare(llm, spec: dict) -> None:
+    """What a row does to a loaded engine beyond LLM(...)'s arguments: per-head FP8 KV scales
+    (keys smoothed, per channel, or keys and values rotated first), or FP8 activations (W8A8)."""
+    from llmopt.layers.linear import Fp8Linear
     from llmopt.worker.kv_cache import calibration_token_ids
 
     engine = llm.llm_engine
-    engine.kv_cache.calibrate(engine.model, calibration_token_ids(engine.tokenizer), per_head=True,
-                              smooth_keys=smooth_keys, per_channel=per_channel)
+    if spec.get("per_head_kv"):
+        engine.kv_cache.calibrate(engine.model, calibration_token_ids(engine.tokenizer), per_head=True,
+                                  smooth_keys=spec.get("smooth_keys", False),
+                                  per_channel=spec.get("per_channel", False), rotate=spec.get("rotate_kv", False))
+    if spec.get("fp8_activations"):
+        for m in engine.model.modules():
+            if isinstance(m, Fp8Linear):
+                m.quantize_activations = True
 
 
 class EmulatedFP8KV:
@@ -196,6 +213,42 @@ def weight_diagnosis() -> dict:
     return out
 
 
+@torch.no_grad()
+def qk_overlap(num_tokens: int = 512) -> dict:
+    """Per layer, D sum_i q_i^2 k_i^2 / (|q|^2 |k|^2) averaged over query-key pairs (every 8th token
+    of a calibration window): 1 when the energy of q and k is spread evenly over the D channels (or
+    lands on different ones), larger when both are large in the same few. e4m3 rounds k_i with an
+    error the size of k_i, so that is how much of q.k's error a few channels carry; and after a
+    Hadamard rotation of both, as the rotated FP8 KV cache stores them."""
+    import llmopt.model.llama as llama
+    from llmopt.layers.attention import AttentionMetadata
+    from llmopt.layers.hadamard import random_hadamard
+    from llmopt.model.forward import run_model
+    from llmopt.worker.kv_cache import NoKVCache, calibration_token_ids
+
+    engine = LLM(MODEL).llm_engine
+    seen, attend = {}, llama.attention
+
+    def spy(q, k, v, cache, layer, scale, window=None):
+        seen[layer] = (q.float()[::8], k.float()[::8].repeat_interleave(q.shape[1] // k.shape[1], 1))
+        return attend(q, k, v, cache, layer, scale, window)
+
+    def ratio(q, k):
+        q2, k2 = q.pow(2), k.pow(2)
+        num = torch.einsum("thd,shd->h", q2, k2)
+        return float((num / (torch.einsum("th,sh->h", q2.sum(-1), k2.sum(-1)) / q.shape[-1])).mean())
+
+    ids = calibration_token_ids(engine.tokenizer, num_tokens=num_tokens)[0]
+    llama.attention = spy
+    try:
+        run_model(engine.model, NoKVCache(), torch.tensor(ids), AttentionMetadata.uncached([len(ids)]))
+    finally:
+        llama.attention = attend
+    r = random_hadamard(engine.model_config.head_dim, 0).float()
+    return {"plain": [ratio(q, k) for _, (q, k) in sorted(seen.items())],
+            "rotated": [ratio(q @ r, k @ r) for _, (q, k) in sorted(seen.items())]}
+
+
 def run_row(name: str, workdir: Path, max_tokens: int, num_samples: int) -> dict:
     label, spec = ROWS[name]
     if "emulate" in spec:
@@ -214,8 +267,7 @@ def run_row(name: str, workdir: Path, max_tokens: int, num_samples: int) -> dict
     if "engine" in spec:
         source, engine_kw = MODEL, dict(spec["engine"])
         llm = LLM(source, **engine_kw)
-        if spec.get("per_head_kv"):
-            calibrate_per_head(llm, spec.get("smooth_keys", False), spec.get("per_channel", False))
+        prepare(llm, spec)
         row["linear_bytes"], row["fp16_linear_bytes"] = linear_bytes_of(llm)
         if engine_kw.get("dtype") is None and not engine_kw.get("quantization"):
             row["linear_bytes"] = row["fp16_linear_bytes"] * 2            # fp32
@@ -246,13 +298,10 @@ def run_row(name: str, workdir: Path, max_tokens: int, num_samples: int) -> dict
     row["perplexity"] = math.exp(sum(v for v, _ in row["window_nll"]) / sum(n for _, n in row["window_nll"]))
     del llm
     row["decode_source"], row["decode_engine"] = source, engine_kw
-    if spec.get("per_head_kv"):
-        llm = LLM(source, **{"dtype": "bfloat16", "enforce_eager": True, **engine_kw})
-        calibrate_per_head(llm, spec.get("smooth_keys", False), spec.get("per_channel", False))
-        row["decode_tok_s"] = _decode(llm)
-    else:
-        # bfloat16 activations unless the row sets its own dtype (the bf16 row does)
-        row["decode_tok_s"] = _decode(LLM(source, **{"dtype": "bfloat16", "enforce_eager": True, **engine_kw}))
+    # bfloat16 activations unless the row sets its own dtype (the bf16 row does)
+    llm = LLM(source, **{"dtype": "bfloat16", "enforce_eager": True, **engine_kw})
+    prepare(llm, spec)
+    row["decode_tok_s"] = _decode(llm)
     row["load_avg_end"] = os.getloadavg()[0]
     return row
 
@@ -286,9 +335,7 @@ def decode_again(saved: dict, keep: Path) -> None:
                 continue
             source = str(quantize(MODEL, out=keep / row["name"], progress=False, **spec["quantize"]).path)
         llm = LLM(source, dtype="bfloat16", enforce_eager=True, **kw)
-        if ROWS[row["name"]][1].get("per_head_kv"):
-            calibrate_per_head(llm, ROWS[row["name"]][1].get("smooth_keys", False),
-                               ROWS[row["name"]][1].get("per_channel", False))
+        prepare(llm, spec)
         row["decode_tok_s"] = _decode(llm)
         print(f"{row['name']}: decode {row['decode_tok_s']:.1f} tok/s", flush=True)
         del llm
@@ -304,6 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--append", action="store_true", help="add to the earlier JSON (same evaluation tokens)")
     ap.add_argument("--render", action="store_true", help="measure nothing: rewrite the table from the JSON")
     ap.add_argument("--diagnose-weights", action="store_true", help="add the RTN weight-error diagnosis")
+    ap.add_argument("--diagnose-kv", action="store_true", help="add the query-key channel overlap, plain and rotated")
     ap.add_argument("--decode-again", action="store_true",
                     help="re-measure every row's decode speed in one process (needs the kept checkpoints)")
     ap.add_argument("--keep", type=Path, default=Path(tempfile.gettempdir()) / "llmopt-precision",
@@ -322,6 +370,9 @@ def main(argv: list[str] | None = None) -> int:
         json_path.write_text(json.dumps(saved, indent=1) + "\n")
     if args.diagnose_weights:
         saved["weight_diagnosis"] = weight_diagnosis()
+        json_path.write_text(json.dumps(saved, indent=1) + "\n")
+    if args.diagnose_kv:
+        saved["qk_overlap"] = qk_overlap()
         json_path.write_text(json.dumps(saved, indent=1) + "\n")
     if args.rows:
         command = shlex.join(["python", "benchmarks/precision.py", *argv])

@@ -19,7 +19,7 @@ SEED_TABLE = [("FP16 / BF16", "16", "-", "none", "training, reference serving"),
               ("INT4 (GPTQ / AWQ)", "4", "75%", "small", "memory-bound serving, consumer GPUs"),
               ("FP8", "8", "50%", "almost nothing", "Hopper GPUs, KV cache"),
               ("NF4", "4", "75%", "small", "QLoRA fine-tuning")]
-FOUR_BIT = ("rtn4", "gptq4", "awq4", "rtn4-rot", "gptq4-rot", "awq4-rot", "nf4", "q4_k_m", "q4_0")
+FOUR_BIT = ("rtn4", "gptq4", "awq4", "rtn4-rot", "gptq4-rot", "gptq4-rot-mse", "awq4-rot", "nf4", "q4_k_m", "q4_0")
 
 def ppl_interval(row: dict, base: dict, seed: int = 0) -> tuple[float, float]:
     """90% interval of ppl(row) / ppl(base) - 1 from a paired bootstrap over evaluation windows."""
@@ -99,10 +99,49 @@ def render(saved: dict) -> str:
                          "spreads it over all 576 inputs, so every weight column's rounding error now meets a share of "
                          "the largest activation. Measured: RTN and AWQ lose much with the rotation; GPTQ, which sees the rotated "
                          "activations and corrects for them, gains" + gptq_gain(rows) + ".")
+    lines += fp8_notes(rows, base, saved.get("qk_overlap"))
     lines += ["", "The seed's table, for comparison (prose, not measured):", "",
               "| format | bits | memory saved | quality loss | where to use it |", "|---|---|---|---|---|"]
     lines += [f"| {' | '.join(t)} |" for t in SEED_TABLE]
     return "\n".join(lines)
+
+
+def fp8_notes(rows: dict, base: dict | None, overlap: dict | None = None) -> list[str]:
+    """What the rotated KV cache and the two FP8 weight rows say, from this run's numbers."""
+    if base is None:
+        return []
+    shared = "and SmolLM2's queries and keys after RoPE are large in the same few channels of a head"
+    if overlap:
+        p, r = overlap["plain"], overlap["rotated"]
+        shared += (f" (D sum q_i^2 k_i^2 / |q|^2 |k|^2, 1 for evenly spread energy: {min(p):.2f}-{max(p):.2f} over the "
+                   f"layers, median {sorted(p)[len(p) // 2]:.2f}; rotated {min(r):.2f}-{max(r):.2f}; "
+                   "`--diagnose-kv`)")
+    pct = lambda n: f"{(rows[n]['perplexity'] / base['perplexity'] - 1) * 100:+.2f}%"  # noqa: E731
+    out = []
+    if "fp8-kv-rot" in rows and "fp8-kv-head" in rows:
+        out.append(
+            f"- **Why rotating the keys and values helps.** Per-head scales cost {pct('fp8-kv-head')}; the same "
+            f"scales over Hadamard-rotated keys and values {pct('fp8-kv-rot')}. e4m3 rounds each number to a "
+            "step proportional to its own size, so the error of a score q.k is a sum over channels of q_i times "
+            "an error the size of k_i: it is dominated by the channels where queries and keys are both large, "
+            f"{shared}. Turning q and k by one orthogonal "
+            "matrix leaves every q.k as it was, but spreads each large channel over all 64, so no channel's "
+            "error dominates (QuaRot rotates queries and keys online for a 4-bit KV cache for the same reason). "
+            "Values are turned too and the attention output turned back. Cost: four 64 x 64 matmuls per layer "
+            "per token, eager decoding (`PagedKVCache.rotate`).")
+    if "fp8-w" in rows and "fp8-w8a8" in rows:
+        out.append(
+            f"- **FP8 weights, with and without FP8 activations.** Weight-only (how a CPU or a GPU without FP8 "
+            f"units runs an FP8 checkpoint, as vLLM's FP8 Marlin kernel does): {pct('fp8-w')}. Rounding every "
+            f"token's activations to e4m3 as well, which FP8 tensor cores need: {pct('fp8-w8a8')}; the difference "
+            "is the activations' rounding, with one scale per token set by its largest channel.")
+    if "gptq4-rot-mse" in rows and "gptq4-rot" in rows and "rtn4" in rows:
+        out.append(
+            f"- **GPTQ's grid-range search.** With `mse=2.4` (the GPTQ authors' option: each group's range shrunk "
+            "where that lowers its own rounding error, |err|^2.4 summed) the rotated GPTQ recovers "
+            f"{recovered(rows['gptq4-rot-mse'], rows['rtn4'], base):.0%} of RTN's gap, against "
+            f"{recovered(rows['gptq4-rot'], rows['rtn4'], base):.0%} with min..max grids.")
+    return out
 
 
 def gptq_gain(rows: dict) -> str:
@@ -124,8 +163,9 @@ NOTES = [
     "multiplies a dense bf16 copy. int8 and Q8_0 run the int8 kernel (Q8_0 requantized per row). NF4 has "
     "16 unevenly spaced levels that no integer kernel takes: `NF4Linear` keeps the 4-bit codes and expands "
     "them through a 256-entry byte table into a transient dense weight, one layer at a time, every call. "
-    "FP8 weights run the exact fp32 emulation on a CPU (no FP8 units); Q4_K_M's k-quant blocks are "
-    "dequantized when loaded and run dense.",
+    "FP8 weights run weight-only on a CPU (no FP8 units: the fp8 codes widened once to fp32, each output "
+    "times its scale), and the W8A8 row also rounds every token's activations to e4m3 first, in an exact "
+    "fp32 emulation of FP8 tensor cores; Q4_K_M's k-quant blocks are dequantized when loaded and run dense.",
     "- **AWQ against GPTQ in time.** The seed's \"10-20x faster\" fits large models on GPUs, where GPTQ's "
     "column loop (K sequential rank-1 updates per layer, K = 4,096-14,336) dominates, while AWQ's search is a "
     "few batched forwards. On SmolLM2 the sizes run the other way: K is 576 or 1,536, so GPTQ's loop is "
@@ -159,10 +199,11 @@ def goals(rows: dict, base: dict | None) -> list[str]:
     pct = lambda n: (rows[n]["perplexity"] / base["perplexity"] - 1) * 100  # noqa: E731
     rtn = rows.get("rtn4")
     if rtn:
-        for n in ("gptq4", "awq4", "gptq4-rot", "awq4-rot", "rtn4-rot"):
+        for n in ("gptq4", "awq4", "gptq4-rot", "gptq4-rot-mse", "awq4-rot", "rtn4-rot"):
             if n in rows:
                 rec = recovered(rows[n], rtn, base)
-                goal = " (goal for a rotated GPTQ or AWQ: >= 75%)" if n in ("gptq4-rot", "awq4-rot") else ""
+                goal = " (goal for a rotated GPTQ or AWQ: >= 75%)" if n.endswith("-rot") and n != "rtn4-rot" \
+                    or n == "gptq4-rot-mse" else ""
                 verdict = (": met" if rec >= 0.75 else ": NOT met") if goal else ""
                 out.append(f"- {rows[n]['label']} recovers {rec:.0%} of RTN int4's gap{goal}{verdict}.")
         if "nf4" in rows:
@@ -172,7 +213,7 @@ def goals(rows: dict, base: dict | None) -> list[str]:
                        f"{rtn['perplexity']:.3f} ({d:+.3f}, {lo * 100:+.1f}..{hi * 100:+.1f}% paired): "
                        f"{'met' if d < 0 else 'NOT met'} (goal: NF4 lower).")
     for n, goal in (("fp8-kv", 0.5), ("fp8-kv-head", 0.5), ("fp8-kv-channel", 0.5), ("fp8-kv-smooth", 0.5),
-                    ("fp8-kv-unit", 0.5), ("fp8-w", 1.5)):
+                    ("fp8-kv-unit", 0.5), ("fp8-kv-rot", 0.5), ("fp8-w", 1.5), ("fp8-w8a8", 1.5)):
         if n in rows:
             out.append(f"- {rows[n]['label']}: {pct(n):+.2f}% perplexity (goal <= {goal}%): "
                        f"{'met' if pct(n) <= goal else 'NOT met'}.")

@@ -14,19 +14,17 @@ only the last `window` of those). With GQA each group of `num_queries_per_kv` qu
 reads one shared key/value head.
 
 On a GPU, SDPA's fused kernels do this (`enable_gqa` handles the groups), and paged pools
-go through the Triton kernels of llmopt.kernels.paged_attention. On the CPU,
-two plain matmuls per tile of queries are faster for the shapes an engine sees (2.8x for a
-256-token prompt, 3.4x for 512, 4.6x for 1024: medians against SDPA on the bundled model's
-heads, 2 threads),
-for two reasons the code shows: the query heads of a group are stacked into one matrix,
-so each kv head's keys are read by one matmul and never copied per query head; and each
-tile of queries multiplies only the keys up to its last query, skipping the half of a
-causal square that the mask would throw away.
+go through the Triton kernels of llmopt.kernels.paged_attention. On the CPU, two plain matmuls
+per tile of queries beat SDPA for an engine's shapes (2.8x for a 256-token prompt, 4.6x for
+1024, bundled model, 2 threads): a group's query heads are stacked into one matrix, so each kv
+head's keys are read by one matmul, never copied per query head; and each tile multiplies only
+the keys up to its last query, skipping the half of a causal square the mask would throw away.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
@@ -90,9 +88,7 @@ class AttentionMetadata:
         for table, start, n in zip(tables, context_lens, query_lens):
             slots += slot_fn(table, range(start, start + n), block_size)
         width = max(len(t) for t in tables)
-        qsl = [0]
-        for n in query_lens:
-            qsl.append(qsl[-1] + n)
+        qsl = [0, *accumulate(query_lens)]
         return cls(
             list(query_lens), list(context_lens), _positions(context_lens, query_lens, device),
             block_tables=tables, slot_mapping=torch.tensor(slots, device=device),
@@ -115,23 +111,28 @@ def _positions(context_lens, query_lens, device) -> torch.Tensor:
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache, layer: int, scale: float,
               window: int | None = None) -> torch.Tensor:
-    """Store this step's keys and values in `kv_cache`, then attend. q: [T, Hq, D]; k, v: [T, Hkv, D]."""
+    """Store this step's keys and values in `kv_cache`, then attend. q: [T, Hq, D]; k, v: [T, Hkv, D].
+    A cache with a `rotation` R (orthogonal [D, D]: PagedKVCache.rotate) is handed k R and v R:
+    (q R).(k R) = q.k, so the scores stay, and the output, a mix of turned values, turns back."""
+    r = getattr(kv_cache, "rotation", None)
+    if r is not None:
+        r = r.to(q.dtype)
+        q, k, v = q @ r, k @ r, v @ r
     meta = kv_cache.metadata
     held = kv_cache.store(layer, k, v)  # a cache that keeps nothing may hand back what to read instead
     if kv_cache.layout == "paged":
-        return paged_attention(q, k, v, kv_cache, layer, meta, scale, window)
-    if kv_cache.layout == "contiguous":
-        return contiguous_attention(q, kv_cache.k[layer], kv_cache.v[layer], meta, scale, window)
-    if kv_cache.layout == "none":  # every sequence is whole in this step: its keys are this step's
+        out = paged_attention(q, k, v, kv_cache, layer, meta, scale, window)
+    elif kv_cache.layout == "contiguous":
+        out = contiguous_attention(q, kv_cache.k[layer], kv_cache.v[layer], meta, scale, window)
+    elif kv_cache.layout == "none":  # every sequence is whole in this step: its keys are this step's
         k, v = held if held is not None else (k, v)
-        outs, start = [], 0
-        for n in meta.query_lens:
-            outs.append(sequence_attention(q[start:start + n], k[start:start + n], v[start:start + n],
-                                           scale, window))
-            start += n
-        return torch.cat(outs)
-    raise TypeError(f"{type(kv_cache).__name__} keeps {kv_cache.layout} rows, not keys and values per head "
-                    "(an MLA model's latent cache is read by llmopt.layers.mla)")
+        starts = [0, *accumulate(meta.query_lens)]
+        out = torch.cat([sequence_attention(q[s:e], k[s:e], v[s:e], scale, window)
+                         for s, e in zip(starts, starts[1:])])
+    else:
+        raise TypeError(f"{type(kv_cache).__name__} keeps {kv_cache.layout} rows, not keys and values per "
+                        "head (an MLA model's latent cache is read by llmopt.layers.mla)")
+    return out if r is None else out @ r.T
 
 
 def contiguous_attention(q, K, V, meta: AttentionMetadata, scale, window=None):

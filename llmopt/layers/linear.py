@@ -15,11 +15,13 @@ leaves plain `nn.Linear` everywhere else.
   torch's int8 CPU kernel on the same terms.
 - `KernelLinear`: a weight that exists only in a CPU kernel's form (a GGUF file's Q4_0 /
   Q4_1 / Q8_0 blocks, repacked when loaded).
-- `Fp8Linear`: float8 e4m3 weights with one fp32 scale per output channel; activations are
-  quantized to fp8 per token on the fly (or with a static `input_scale` from the
-  checkpoint). CUDA GPUs with FP8 tensor cores (compute capability >= 8.9) multiply in
-  fp8 (`torch._scaled_mm`); elsewhere an emulation does the same math in fp32: the
-  products of fp8 values are exact there, accumulated in fp32, then scaled.
+- `Fp8Linear`: float8 e4m3 weights with one fp32 scale per output channel. CUDA GPUs with
+  FP8 tensor cores (compute capability >= 8.9) multiply in fp8 (`torch._scaled_mm`), so the
+  activations are rounded to fp8 too, per token on the fly or with a static `input_scale`
+  from the checkpoint (W8A8). Elsewhere nothing multiplies fp8: the weights are widened and
+  the activations kept (W8A16, as vLLM's FP8 Marlin kernel runs on GPUs without FP8 units).
+  `quantize_activations = True` emulates W8A8 there in fp32 (products of fp8 values are
+  exact in fp32): what lesson 07 and the precision table measure beside weight-only.
 
 A checkpoint may store one linear as several shards that llmopt fuses (q/k/v into
 qkv_proj, gate/up into gate_up_proj). Each module therefore says, per tensor, along which
@@ -273,6 +275,11 @@ class Fp8Linear(QuantLinear):
         self.input_scale = _param((), torch.float32) if static_input_scale else None
         self.bias = _param((out_features,), dtype) if bias else None
         self._w32: torch.Tensor | None = None
+        # Round activations to fp8 before the matmul? None: where FP8 units multiply (W8A8),
+        # not elsewhere (W8A16). Rounding a token's activations with one scale costs more than
+        # the weights' rounding on SmolLM2 (a few channels 100x the rest push the others into
+        # e4m3's subnormals), and buys nothing where no FP8 unit runs the product.
+        self.quantize_activations: bool | None = None
 
     def extra_repr(self) -> str:
         return f"Fp8Linear(in={self.in_features}, out={self.out_features})"
@@ -315,23 +322,28 @@ class Fp8Linear(QuantLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
-        # activation scales: per token, computed now ("dynamic"), or one stored number ("static")
-        x_scale = per_token_scale(x2) if self.input_scale is None else self.input_scale.reshape(1, 1)
-        xq = quantize_fp8(x2, x_scale)
-        if native_fp8_supported(x.device) and self.in_features % 16 == 0 and self.out_features % 16 == 0:
-            out = self._native(xq, x_scale, x.dtype)
+        native = native_fp8_supported(x.device) and self.in_features % 16 == 0 and self.out_features % 16 == 0
+        if not (native if self.quantize_activations is None else self.quantize_activations):
+            out = self._weight_only(x2)
         else:
-            out = self._emulated(xq, x_scale)
+            # activation scales: per token, computed now ("dynamic"), or one stored number ("static")
+            x_scale = per_token_scale(x2) if self.input_scale is None else self.input_scale.reshape(1, 1)
+            xq = quantize_fp8(x2, x_scale)
+            out = self._native(xq, x_scale, x.dtype) if native else self._emulated(xq, x_scale)
         if self.bias is not None:
             out = out + self.bias.float()
         return out.to(x.dtype).view(*x.shape[:-1], self.out_features)
 
+    def _weight_only(self, x2: torch.Tensor) -> torch.Tensor:
+        """x (fp8 weights) in fp32, each output channel then times its scale: x . (q s) = (x . q) s."""
+        if self._w32 is None:
+            self._w32 = self.weight.float()
+        return (x2.float() @ self._w32.t()) * self.weight_scale.t()
+
     def _emulated(self, xq: torch.Tensor, x_scale: torch.Tensor) -> torch.Tensor:
         """fp8 x fp8 products in fp32 (exact), summed in fp32, then both scales: what the
         tensor cores compute."""
-        if self._w32 is None:
-            self._w32 = self.weight.float()
-        return (xq.float() @ self._w32.t()) * (x_scale * self.weight_scale.t())
+        return self._weight_only(xq) * x_scale
 
     def _native(self, xq: torch.Tensor, x_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         w = self.weight.t()  # [K, N] column-major, as _scaled_mm wants its second operand

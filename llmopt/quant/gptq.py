@@ -12,6 +12,8 @@ what earlier ones lost. The details that make it fast and stable, as in the pape
 - the upper Cholesky factor of H^-1 supplies the update rows, computed once;
 - lazy batches: errors are applied inside a block of `block_size` columns at once, and to
   the columns after the block in one matmul (the same result, far fewer memory passes);
+- mse (the authors' option): each group's grid range is shrunk where that lowers the
+  group's own rounding error (`search_params`), rather than spanning its min and max;
 - act-order (desc_act): columns go in order of decreasing diag(H), the inputs with the
   largest activations first, while many columns are still left to absorb their error.
   A group is then a set of columns in that order, so its members are scattered over the
@@ -24,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from llmopt.layers.quant_formats import QuantizedWeight
-from llmopt.quant.rtn import quant_params, quantize_to_grid
+from llmopt.quant.rtn import quant_params, quantize_to_grid, search_params
 
 
 class GPTQ:
@@ -48,7 +50,7 @@ class GPTQ:
     @torch.no_grad()
     def quantize(self, bits: int, group_size: int, sym: bool = True, damp_percent: float = 0.01,
                  desc_act: bool = False, static_groups: bool = False, block_size: int = 128,
-                 min_zero: int = 0) -> QuantizedWeight:
+                 min_zero: int = 0, mse: float = 0.0) -> QuantizedWeight:
         W = self.weight.float().clone()              # [out, in]
         n_out, K = W.shape
         G = K if group_size == -1 else group_size
@@ -57,8 +59,11 @@ class GPTQ:
         H[dead, dead] = 1
         W[:, dead] = 0
 
+        def params(w):   # a group's grid: its min to max, or (mse > 0) the clipped range that rounds best
+            return search_params(w, bits, sym, min_zero, mse) if mse else quant_params(w, bits, sym, min_zero)
+
         if static_groups:                            # every group's grid, from the original column order
-            static = quant_params(W.reshape(n_out, K // G, G), bits, sym, min_zero)
+            static = params(W.reshape(n_out, K // G, G))
         perm = torch.arange(K, device=W.device)
         if desc_act:
             perm = torch.argsort(torch.diag(H), descending=True)
@@ -85,7 +90,7 @@ class GPTQ:
                     # updated by the error of every column quantized before them
                     g = col // G
                     current = torch.cat([W1[:, i:], W[:, i2:]], dim=1)[:, :G]
-                    scale, zero = quant_params(current, bits, sym, min_zero)
+                    scale, zero = params(current)
                 scales[g], zeros[g] = scale, zero
                 g_idx[perm[col]] = g
                 w, d = W1[:, i], Hinv1[i, i]

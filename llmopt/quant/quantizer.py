@@ -4,14 +4,14 @@ to a quantized checkpoint that `LLM(model=out)` (and AutoGPTQ, AutoAWQ, vLLM) ca
     quantize("tiny", method="gptq", bits=4, group_size=128, out="q/tiny-gptq")
 
 Every argument is checked before any weight is loaded. The knobs keep the names the
-tools use: GPTQ's desc_act, damp_percent, sym, static_groups, true_sequential; AWQ's
+tools use: GPTQ's desc_act, damp_percent, sym, static_groups, true_sequential, mse; AWQ's
 zero_point, version="GEMM", duo_scaling and apply_clip (AutoAWQ's defaults: both on). Methods:
 
 - "rtn": round to nearest, group-wise (the baseline; no calibration);
 - "gptq": GPTQ with calibration, block by block (llmopt.quant.gptq);
 - "awq": activation-aware scaling and clipping, then rounding (llmopt.quant.awq);
-- "fp8": float8 e4m3 weights with per-output-channel scales (no calibration; activations
-  are quantized per token at run time);
+- "fp8": float8 e4m3 weights with per-output-channel scales (no calibration; where FP8
+  units multiply, activations are quantized per token at run time);
 - "nf4": QLoRA's 4-bit NormalFloat in blocks of `group_size` (64), `double_quant` (default on)
   for the absmax constants, written in the bitsandbytes layout (llmopt.layers.nf4_format).
 
@@ -37,7 +37,7 @@ from llmopt.quant.rotation import ROTATIONS
 
 METHODS = ("rtn", "gptq", "awq", "fp8", "nf4")
 FORMATS = ("gptq", "awq")
-GPTQ_KNOBS = ("desc_act", "damp_percent", "static_groups", "true_sequential")
+GPTQ_KNOBS = ("desc_act", "damp_percent", "static_groups", "true_sequential", "mse")
 AWQ_KNOBS = ("zero_point", "version", "duo_scaling", "apply_clip")
 
 
@@ -62,7 +62,7 @@ class QuantizeResult:
 def quantize(model="tiny", method: str = "gptq", bits: int | None = None, group_size: int | None = None,
              out=None, *, calibration=None, num_samples: int = 32, seq_len: int = 512,
              sym: bool | None = None, desc_act: bool | None = None, damp_percent: float | None = None,
-             static_groups: bool | None = None, true_sequential: bool | None = None,
+             static_groups: bool | None = None, true_sequential: bool | None = None, mse: float | None = None,
              zero_point: bool | None = None, version: str | None = None, duo_scaling: bool | None = None,
              apply_clip: bool | None = None, format: str | None = None, rotation: str | None = None,
              double_quant: bool | None = None, block_size: int = 128, device: str = "cpu",
@@ -74,7 +74,7 @@ def quantize(model="tiny", method: str = "gptq", bits: int | None = None, group_
     # -- arguments, all checked before any work ---------------------------------------------------------
     if method not in METHODS:
         raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
-    given = {"desc_act": desc_act, "damp_percent": damp_percent, "static_groups": static_groups,
+    given = {"desc_act": desc_act, "damp_percent": damp_percent, "static_groups": static_groups, "mse": mse,
              "true_sequential": true_sequential, "zero_point": zero_point, "version": version, "sym": sym,
              "duo_scaling": duo_scaling, "apply_clip": apply_clip}
     for knobs, owner in ((GPTQ_KNOBS, "gptq"), (AWQ_KNOBS, "awq")):
@@ -124,6 +124,9 @@ def quantize(model="tiny", method: str = "gptq", bits: int | None = None, group_
     damp = 0.01 if damp_percent is None else damp_percent
     if isinstance(damp, bool) or not isinstance(damp, Real) or not 0 < damp < 1:
         raise ValueError(f"damp_percent must be in (0, 1), got {damp_percent!r}")
+    if mse is not None and (isinstance(mse, bool) or not isinstance(mse, Real) or not 0 <= mse <= 10):
+        raise ValueError(f"mse (the error norm of GPTQ's grid-range search; 0 = off, 2.4 = the authors') must "
+                         f"be a number in [0, 10], got {mse!r}")
     if version is not None and str(version).lower() != "gemm":
         raise ValueError(f"version must be 'GEMM' (the AWQ layout llmopt writes), got {version!r}")
     if str(device) != "cpu" and not str(device).startswith("cuda"):
@@ -177,7 +180,7 @@ def quantize(model="tiny", method: str = "gptq", bits: int | None = None, group_
         weights = run_gptq(net, windows, qcfg, damp=damp, desc_act=bool(desc_act),
                            static_groups=bool(static_groups),
                            true_sequential=True if true_sequential is None else bool(true_sequential),
-                           block_size=block_size, progress=progress)
+                           block_size=block_size, mse=float(mse or 0), progress=progress)
     elif method == "nf4":
         from llmopt.layers.nf4_format import NF4Weight
 
@@ -249,7 +252,7 @@ LINEARS = ["self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.do
 
 
 def run_gptq(model, windows, qcfg, damp, desc_act, static_groups, true_sequential, block_size,
-             progress=True) -> dict[str, QuantizedWeight]:
+             mse: float = 0.0, progress=True) -> dict[str, QuantizedWeight]:
     """GPTQ every block in order. With true_sequential, the linears of a block go in the order
     they run (qkv, o, gate_up, down), each calibrated on inputs that already pass through the
     quantized ones before it; the next block's inputs are this quantized block's outputs."""
@@ -267,7 +270,7 @@ def run_gptq(model, windows, qcfg, damp, desc_act, static_groups, true_sequentia
                 gptq = GPTQ(linear.weight.data)
                 gptq.add_batch(inputs[name.rsplit(".", 1)[-1]])
                 w = gptq.quantize(qcfg["bits"], qcfg["group_size"], qcfg["sym"], damp, desc_act,
-                                  static_groups, block_size, qcfg["min_zero"])
+                                  static_groups, block_size, qcfg["min_zero"], mse)
                 linear.weight.data = w.dequantize(linear.weight.dtype)  # what later steps see
                 weights[f"model.layers.{i}.{name}"] = w
         runner.hidden = runner.run(layer)

@@ -17,47 +17,17 @@ Rotations here (all folded into the weights; none runs at inference):
 - R2, each attention head's values: v_proj's output rows and o_proj's input columns of every
   head turned by one head_dim Hadamard (with grouped-query attention every query head reads its
   KV head's values, so one matrix serves all).
-QuaRot's online rotations (before down_proj, and of queries and keys for a quantized KV cache)
-need a Hadamard transform at run time and are not done.
+QuaRot's online rotation before down_proj needs a Hadamard transform at run time and is not done;
+the one of queries, keys and values for an FP8 KV cache is `PagedKVCache.rotate` (llmopt.worker.kv_cache).
 """
 
 from __future__ import annotations
 
 import torch
 
+from llmopt.layers.hadamard import random_hadamard
+
 ROTATIONS = ("hadamard",)
-
-
-def _paley(q: int) -> torch.Tensor:
-    """Paley's construction I: a Hadamard matrix of order q + 1, for a prime q = 3 (mod 4)."""
-    residues = {(i * i) % q for i in range(1, q)}
-    chi = torch.tensor([0] + [1 if i in residues else -1 for i in range(1, q)], dtype=torch.float64)
-    idx = torch.arange(q)
-    jacobsthal = chi[(idx[None, :] - idx[:, None]) % q]
-    s = torch.zeros(q + 1, q + 1, dtype=torch.float64)
-    s[0, 1:], s[1:, 0], s[1:, 1:] = 1, -1, jacobsthal
-    return s + torch.eye(q + 1, dtype=torch.float64)
-
-
-def hadamard_matrix(n: int) -> torch.Tensor:
-    """An n x n matrix of +-1 with H H^T = n I, for n = 2^a * 12^b * 20^c (Sylvester's doubling,
-    Kronecker products of Paley's orders 12 and 20); SmolLM2's 576 = 4 * 12 * 12."""
-    h, m = torch.ones(1, 1, dtype=torch.float64), n
-    for order, q in ((20, 19), (12, 11)):
-        while m % order == 0 and m > 1:
-            h, m = torch.kron(h, _paley(q)), m // order
-    if m < 1 or m & (m - 1):
-        raise ValueError(f"no Hadamard matrix of order {n} is built here: the order must be 2^a * 12^b * 20^c")
-    while m > 1:
-        h, m = torch.kron(h, torch.tensor([[1.0, 1.0], [1.0, -1.0]], dtype=torch.float64)), m // 2
-    return h
-
-
-def random_hadamard(n: int, seed: int = 0) -> torch.Tensor:
-    """H diag(s) / sqrt(n) with random signs s: orthogonal, float64."""
-    g = torch.Generator().manual_seed(seed)
-    signs = torch.randint(0, 2, (n,), generator=g, dtype=torch.float64) * 2 - 1
-    return hadamard_matrix(n) * signs[None, :] / n ** 0.5
 
 
 def _set(param: torch.nn.Parameter, value: torch.Tensor) -> None:

@@ -45,6 +45,29 @@ def quant_params(w: torch.Tensor, bits: int, sym: bool, min_zero: int = 0) -> tu
     return scale, zero.to(torch.int32)
 
 
+def search_params(w: torch.Tensor, bits: int, sym: bool, min_zero: int = 0, norm: float = 2.4,
+                  grid: int = 100, max_shrink: float = 0.8) -> tuple[torch.Tensor, torch.Tensor]:
+    """quant_params over a clipped range: for p = 1, 1 - 1/grid, ... down to 1 - max_shrink, the grid
+    of [p min, p max]; per row, the p whose rounding error sum |w - w_hat|^norm is least (the GPTQ
+    authors' `mse` search, their defaults). Clipping a group's one large weight costs that weight,
+    and every other weight of the group gets a finer grid."""
+    w = w.float()
+    best_scale, best_zero = quant_params(w, bits, sym, min_zero)
+    best = _error(w, best_scale, best_zero, bits, norm)
+    for i in range(1, int(max_shrink * grid) + 1):
+        scale, zero = quant_params(w * (1 - i / grid), bits, sym, min_zero)   # the range [p min, p max]
+        err = _error(w, scale, zero, bits, norm)
+        better = err < best
+        best = torch.where(better, err, best)
+        best_scale, best_zero = torch.where(better, scale, best_scale), torch.where(better, zero, best_zero)
+    return best_scale, best_zero
+
+
+def _error(w, scale, zero, bits, norm) -> torch.Tensor:
+    q = quantize_to_grid(w, scale[..., None], zero[..., None], bits)
+    return (w - scale[..., None] * (q - zero[..., None])).abs().pow(norm).sum(-1)
+
+
 def quantize_to_grid(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) -> torch.Tensor:
     """Integer codes q = clamp(round(w / scale) + zero, 0, 2^bits - 1); scale and zero broadcast."""
     return torch.clamp(torch.round(w.float() / scale) + zero, 0, (1 << bits) - 1).to(torch.int32)

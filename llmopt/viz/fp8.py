@@ -247,11 +247,11 @@ NATIVE_ROWS = [
     {"architecture": "Volta / Turing", "compute capability": "7.0 / 7.5", "GPUs": "V100, T4, RTX 20",
      "FP8 matmul (tensor cores)": "no", "Triton e4m3 type": "no",
      "llmopt FP8 KV cache": "stored fp8; kernels decode e4m3 bytes, e5m2 natively",
-     "llmopt FP8 weights": "stored fp8, matmul emulated in fp32"},
+     "llmopt FP8 weights": "stored fp8, weight-only (widened in the matmul)"},
     {"architecture": "Ampere", "compute capability": "8.0 / 8.6 / 8.7", "GPUs": "A100, A10, A40, RTX 30",
      "FP8 matmul (tensor cores)": "no", "Triton e4m3 type": "no",
      "llmopt FP8 KV cache": "stored fp8; kernels decode e4m3 bytes, e5m2 natively",
-     "llmopt FP8 weights": "stored fp8, matmul emulated in fp32"},
+     "llmopt FP8 weights": "stored fp8, weight-only (widened in the matmul)"},
     {"architecture": "Ada Lovelace", "compute capability": "8.9", "GPUs": "L4, L40S, RTX 4090",
      "FP8 matmul (tensor cores)": "yes (e4m3, e5m2)", "Triton e4m3 type": "yes",
      "llmopt FP8 KV cache": "stored fp8, native loads", "llmopt FP8 weights": "torch._scaled_mm"},
@@ -264,7 +264,7 @@ NATIVE_ROWS = [
     {"architecture": "CPU", "compute capability": "-", "GPUs": "-",
      "FP8 matmul (tensor cores)": "no", "Triton e4m3 type": "interpreter",
      "llmopt FP8 KV cache": "stored fp8, widened to fp32 to attend",
-     "llmopt FP8 weights": "stored fp8, matmul emulated in fp32"},
+     "llmopt FP8 weights": "stored fp8, weight-only (widened in the matmul)"},
 ]
 
 

@@ -62,6 +62,8 @@ def why_not_layers(layers, dtype, kv_cache, device) -> str | None:
         return f"dtype {dtype} (it runs float32 and bfloat16)"
     if getattr(kv_cache, "layout", None) != "paged" or kv_cache.cache_dtype != dtype:
         return "the KV pool is not a paged pool in the model's dtype (FP8 pools decode eagerly)"
+    if getattr(kv_cache, "rotation", None) is not None:
+        return "the KV pool is rotated (PagedKVCache.rotate); the compiled step turns nothing"
     for layer in layers:
         if type(layer) is not LlamaDecoderLayer:
             return f"{type(layer).__name__} layers (it runs Llama-family decoders)"

@@ -19,7 +19,10 @@ number instead of two (bf16) or four (fp32), so the same memory holds 2x (or 4x)
 tokens. Each layer then keeps a per-tensor `k_scale` and `v_scale`: the pool holds
 fp8(clamp(k / k_scale)) and attention reads fp8 * k_scale. The scales come from the
 checkpoint (as llm-compressor and vLLM name them), from calibration (the largest |k| and
-|v| over calibration text, mapped onto the format's largest value), or are 1.0.
+|v| over calibration text, mapped onto the format's largest value; per layer or per KV head),
+or are 1.0. `rotate()` makes the pool hold keys and values turned by a Hadamard matrix
+(queries turn alike, so attention is unchanged), which spreads a key's few large channels
+over all of them before FP8 rounds them.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ class KVCache:
 
     layout = "none"   # how keys are kept: "none", "contiguous", "paged" (or "latent": MLA)
     metadata: AttentionMetadata
+    rotation: torch.Tensor | None = None   # [D, D] orthogonal: attention hands over k R, v R (PagedKVCache.rotate)
 
     def begin_step(self, meta: AttentionMetadata) -> None:
         self.metadata = meta
@@ -213,22 +217,38 @@ class PagedKVCache(KVCache):
             self.use_triton = False   # the Triton kernels take one scale per layer; the torch path broadcasts
         self.scale_source = source
 
+    def rotate(self, seed: int = 0) -> None:
+        """Keep keys and values turned by one randomized Hadamard matrix R of order head_dim
+        (QuaRot's online KV rotation): attention then hands the pool k R and v R, turns its
+        queries by R and its output back by R^T, so it computes what it did (llmopt.layers.attention).
+        What R buys is in the rounding: a key's few large channels (RoPE's low frequencies, a
+        head's constant offset) are spread over all 64, so an FP8 scale fitted to the largest
+        no longer leaves the rest a few mantissa steps. Call it before anything is cached (and
+        before calibrating: the scales are of rotated keys). Where a step runs compiled the
+        compiled step declines a rotated pool (it has no rotation in it), so it decodes eagerly."""
+        from llmopt.layers.hadamard import random_hadamard
+
+        self.rotation = random_hadamard(self.k[0].shape[3], seed).to(torch.float32).to(self.k[0].device)
+
     def calibrate(self, model, token_ids: list[list[int]], per_head: bool = False,
-                  smooth_keys: bool = False, per_channel: bool = False) -> None:
+                  smooth_keys: bool = False, per_channel: bool = False, rotate: bool = False) -> None:
         """Scales from amax: run calibration sequences through the model (no cache), keep
         each layer's (or each KV head's) largest |key| and |value|, map them onto the format's
         largest value; per_channel: one amax per KV head and channel ([Hkv, D], KIVI's
         granularity for keys). smooth_keys: first measure each layer's mean key per head and channel,
-        store keys minus it (`k_shift`), and take the keys' amax after that shift."""
+        store keys minus it (`k_shift`), and take the keys' amax after that shift. rotate: turn
+        keys and values by a Hadamard matrix first (`rotate`), and measure the rotated ones."""
+        if rotate:
+            self.rotate()
         if smooth_keys:
-            observer = observe_kv(model, token_ids, len(self.k))
+            observer = observe_kv(model, token_ids, len(self.k), rotation=self.rotation)
             self.k_shift = [(s / observer.count).to(self.k[0].device) for s in observer.k_sum]
         k_amax, v_amax = observe_kv_amax(model, token_ids, len(self.k), "channel" if per_channel else per_head,
-                                         self.k_shift)
+                                         self.k_shift, rotation=self.rotation)
         self.set_scales([scale_from_amax(a, self.cache_dtype) for a in k_amax],
                         [scale_from_amax(a, self.cache_dtype) for a in v_amax],
-                        "calibrated per channel" if per_channel else
-                        "calibrated per head" if per_head else "calibrated")
+                        ("calibrated per channel" if per_channel else
+                         "calibrated per head" if per_head else "calibrated") + (", rotated" if rotate else ""))
 
     def load_scales(self, folder: str | Path) -> bool:
         """The checkpoint's k/v scales, if it has them (True when found)."""
@@ -286,22 +306,24 @@ class KVAmaxObserver(NoKVCache):
 
 
 @torch.inference_mode()
-def observe_kv_amax(model, token_ids: list[list[int]], num_layers: int,
-                    per_head: bool | str = False, k_shift: list | None = None) -> tuple[list, list]:
+def observe_kv_amax(model, token_ids: list[list[int]], num_layers: int, per_head: bool | str = False,
+                    k_shift: list | None = None, rotation: torch.Tensor | None = None) -> tuple[list, list]:
     """Run sequences (one flat batch) through `model` and return per-layer (k_amax, v_amax):
-    numbers, or with per_head a [Hkv] tensor for each layer (of the keys minus k_shift)."""
-    observer = observe_kv(model, token_ids, num_layers, per_head, k_shift)
+    numbers, or with per_head a [Hkv] tensor for each layer (of the keys minus k_shift; of keys
+    and values turned by `rotation`, when given, as a rotated pool holds them)."""
+    observer = observe_kv(model, token_ids, num_layers, per_head, k_shift, rotation)
     return observer.k_amax, observer.v_amax
 
 
 @torch.inference_mode()
 def observe_kv(model, token_ids: list[list[int]], num_layers: int, per_head: bool | str = False,
-               k_shift: list | None = None) -> KVAmaxObserver:
+               k_shift: list | None = None, rotation: torch.Tensor | None = None) -> KVAmaxObserver:
     """Run sequences (one flat batch) through `model` under a KVAmaxObserver, and return it."""
     if not token_ids or not all(token_ids):
         raise ValueError("calibration needs at least one non-empty sequence of token ids")
     device = next(model.parameters()).device
     observer = KVAmaxObserver(num_layers, per_head, k_shift)
+    observer.rotation = rotation   # attention turns what it hands the observer, as it does for the pool
     ids = torch.tensor([t for seq in token_ids for t in seq], device=device)
     run_model(model, observer, ids, AttentionMetadata.uncached([len(t) for t in token_ids], device))
     return observer

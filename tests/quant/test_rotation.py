@@ -7,7 +7,8 @@ import json
 import pytest
 import torch
 
-from llmopt.quant.rotation import hadamard_matrix, random_hadamard, rotate_model
+from llmopt.layers.hadamard import hadamard_matrix, random_hadamard
+from llmopt.quant.rotation import rotate_model
 
 
 @pytest.mark.parametrize("n", [1, 2, 12, 16, 20, 48, 64, 384, 576])
