@@ -19,7 +19,9 @@ so each run stays under --max-seconds (the machine is shared):
     python scripts/train_eagle_smollm2.py save     # -> llmopt/bundled/smollm2-eagle (fp16)
 
 (the bundled head: data until done, features, then `train --threads 2 --steps 1000 --batch 8
---max-seconds 1500` twice, then `save --threads 2 --batch 8 --steps 1000`.)
+--max-seconds 2400 --until-step 781` and the same without --until-step, then `save --threads 2
+--batch 8 --steps 1000`. A chunk reseeds the batch sampler with seed + its first step, so the
+same chunk boundaries give the same head.)
     python scripts/train_eagle_smollm2.py report   # after benchmarks/spec_eagle_smollm2.py
 """
 
@@ -227,7 +229,8 @@ def stage_train(args) -> None:
     gen = torch.Generator().manual_seed(args.seed + state["step"])
     state.setdefault("load_before_chunks", []).append(os.getloadavg()[0])  # for the report's header
     t0 = time.time()
-    while state["step"] < args.steps and time.time() - t0 < args.max_seconds:
+    last = args.steps if args.until_step is None else min(args.steps, args.until_step)
+    while state["step"] < last and time.time() - t0 < args.max_seconds:
         step = state["step"]
         loss = train_step(head, target, opt, seqs, feats, step, args, gen, logits, bf16=False)
         state["step"] += 1
@@ -332,6 +335,7 @@ def main(argv=None) -> int:
     ap.add_argument("--gen-batch", type=int, default=32)
     ap.add_argument("--max-answer", type=int, default=256)
     ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--until-step", type=int, default=None, help="train: end this chunk at this step")
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--lr", type=float, default=1e-3)
