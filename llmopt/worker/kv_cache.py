@@ -221,9 +221,10 @@ class PagedKVCache(KVCache):
         """Keep keys and values turned by one randomized Hadamard matrix R of order head_dim
         (QuaRot's online KV rotation): attention then hands the pool k R and v R, turns its
         queries by R and its output back by R^T, so it computes what it did (llmopt.layers.attention).
-        What R buys is in the rounding: a key's few large channels (RoPE's low frequencies, a
-        head's constant offset) are spread over all 64, so an FP8 scale fitted to the largest
-        no longer leaves the rest a few mantissa steps. Call it before anything is cached (and
+        What R buys is in the rounding: e4m3's error on a number is proportional to its size,
+        so a score's error is carried by the channels where queries and keys are both large,
+        and R spreads those over all head_dim channels (`benchmarks/precision.py --diagnose-kv`
+        measures the overlap). Call it before anything is cached (and
         before calibrating: the scales are of rotated keys). Where a step runs compiled the
         compiled step declines a rotated pool (it has no rotation in it), so it decodes eagerly."""
         from llmopt.layers.hadamard import random_hadamard
