@@ -278,8 +278,9 @@ def chunk_loads(report: dict) -> str:
     loads = report.get("load_before_chunks", [])
     if not loads:
         return "load average not recorded"
-    return "1-minute load average before each training chunk: " + ", ".join(
+    return ("1-minute load average before each training chunk: " + ", ".join(
         "not recorded" if x is None else f"{x:.2f}" for x in loads)
+        + (": a chunk started as the one before it ended counts that chunk's own threads" if len(loads) > 1 else ""))
 
 
 def stage_report(args) -> None:
