@@ -45,11 +45,9 @@ def rotated_per_head_kv(llm) -> None:
 
 def fp8_activations(llm) -> None:
     """W8A8: every FP8 linear rounds its activations to e4m3 per token, as FP8 tensor cores need."""
-    from llmopt.layers.linear import Fp8Linear
+    from llmopt.layers.linear import round_fp8_activations
 
-    for m in llm.llm_engine.model.modules():
-        if isinstance(m, Fp8Linear):
-            m.quantize_activations = True
+    round_fp8_activations(llm.llm_engine.model)
 
 
 CONFIGS = [  # (name, LLM keyword arguments[, what to do to the engine before measuring])

@@ -104,7 +104,7 @@ def gguf_linear_bytes(path: Path) -> tuple[int, int]:
 def prepare(llm, spec: dict) -> None:
     """What a row does to a loaded engine beyond LLM(...)'s arguments: per-head FP8 KV scales
     (keys smoothed, per channel, or keys and values rotated first), or FP8 activations (W8A8)."""
-    from llmopt.layers.linear import Fp8Linear
+    from llmopt.layers.linear import round_fp8_activations
     from llmopt.worker.kv_cache import calibration_token_ids
 
     engine = llm.llm_engine
@@ -113,9 +113,7 @@ def prepare(llm, spec: dict) -> None:
                                   smooth_keys=spec.get("smooth_keys", False),
                                   per_channel=spec.get("per_channel", False), rotate=spec.get("rotate_kv", False))
     if spec.get("fp8_activations"):
-        for m in engine.model.modules():
-            if isinstance(m, Fp8Linear):
-                m.quantize_activations = True
+        round_fp8_activations(engine.model)
 
 
 class EmulatedFP8KV:

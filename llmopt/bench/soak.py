@@ -161,8 +161,8 @@ class Soak:
             # A 503 with Retry-After means no replica could take any request at that moment
             # (all full or restarting): the probe does what every client is told, waits and
             # retries, so what it records is what a replica said of the body itself.
-            statuses = []
-            for _ in range(5):
+            policy, statuses = RetryPolicy(max_retries=4), []
+            for attempt in range(policy.max_retries + 1):
                 try:
                     r = httpx.post(f"{self.lb.url}/v1/completions", content=payload, timeout=30,
                                    headers={"Content-Type": "application/json"})
@@ -173,7 +173,7 @@ class Soak:
                 wait = r.headers.get("retry-after")
                 if r.status_code != 503 or wait is None:
                     break
-                time.sleep(float(wait))
+                time.sleep(policy.delay(attempt, wait))
             self.probes.append({"kind": f.kind, "at": now, "status": statuses[-1], "statuses": statuses})
 
     # -- measurements ---------------------------------------------------------------------------

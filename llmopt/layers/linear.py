@@ -275,10 +275,8 @@ class Fp8Linear(QuantLinear):
         self.input_scale = _param((), torch.float32) if static_input_scale else None
         self.bias = _param((out_features,), dtype) if bias else None
         self._w32: torch.Tensor | None = None
-        # Round activations to fp8 before the matmul? None: where FP8 units multiply (W8A8),
-        # not elsewhere (W8A16). On SmolLM2 rounding each token's activations with one scale costs
-        # as much again as the weights' rounding (precision_smollm2.md: +0.90% weight-only, +1.78%
-        # W8A8), and it buys nothing where no FP8 unit runs the product.
+        # Round activations to fp8 first? None: only where FP8 units multiply (W8A8). On SmolLM2 it
+        # costs as much again as the weights' rounding (+0.90% weight-only, +1.78% W8A8).
         self.quantize_activations: bool | None = None
 
     def extra_repr(self) -> str:
@@ -356,6 +354,13 @@ class Fp8Linear(QuantLinear):
         one = torch.ones((), device=xq.device)
         acc = torch._scaled_mm(xq, w, scale_a=one, scale_b=one, out_dtype=torch.float32)
         return acc * (x_scale * self.weight_scale.t())
+
+
+def round_fp8_activations(model: nn.Module, on: bool | None = True) -> None:
+    """Every Fp8Linear's `quantize_activations` (True: W8A8 anywhere; None: where FP8 units multiply)."""
+    for m in model.modules():
+        if isinstance(m, Fp8Linear):
+            m.quantize_activations = on
 
 
 class KernelLinear(QuantLinear):
