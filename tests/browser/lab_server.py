@@ -40,6 +40,11 @@ SETTINGS = {
     "@jupyterlab/notebook-extension/tracker": {"windowingMode": "none"},
     # No "would you like to receive news?" dialog over the first notebook.
     "@jupyterlab/apputils-extension/notification": {"fetchNews": "false", "checkForUpdates": False},
+    # No autosave: the check saves the scratch copy itself before shutting the kernel down, and an
+    # autosave timer (120 s after the first change) firing during that save puts two writes of one
+    # notebook in flight; the server's atomic write shares one intermediate file between them, and
+    # the loser answered 500 (a CI run failed on lesson 07, whose run lasts about 120 s).
+    "@jupyterlab/docmanager-extension/plugin": {"autosave": False},
 }
 
 

@@ -130,8 +130,11 @@ def check_notebook(browser: Browser, lab, path: Path, shots: Path, *, nbval_item
     context = browser.new_context(viewport={"width": 1400, "height": 1000})
     page = context.new_page()
     errors: list[str] = []
-    page.on("console", lambda m: errors.append(f"console.{m.type}: {m.text}") if m.type == "error" else None)
-    page.on("pageerror", lambda e: errors.append(f"uncaught: {e}"))
+    page.on("console", lambda m: errors.append(f"JavaScript console.{m.type}: {m.text}") if m.type == "error" else None)
+    page.on("pageerror", lambda e: errors.append(f"JavaScript uncaught: {e}"))
+    # The console says only "the server responded with a status of 500"; this names the request.
+    page.on("response", lambda r: errors.append(f"server answered {r.status} to {r.request.method} "
+                                                f"{r.url.split('?')[0]}") if r.status >= 500 else None)
     t0, cpu0 = time.monotonic(), cpu_time.cpu_seconds()
     try:
         lab_page.open_notebook(page, lab.lab_url(path.name), timeout_s=120)
@@ -173,7 +176,7 @@ def check_notebook(browser: Browser, lab, path: Path, shots: Path, *, nbval_item
         if reason:
             report.console.append(f"{message[:200]} ({reason})")
         else:
-            report.problems.append(f"JavaScript {message[:500]}")
+            report.problems.append(message[:500])
     report.seconds["total"] = round(time.monotonic() - t0, 1)
     return report
 
