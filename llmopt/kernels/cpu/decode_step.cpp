@@ -60,13 +60,15 @@ at::Tensor rms_norm(const at::Tensor& h, const at::Tensor& w, double eps) {
   const T* x = h.data_ptr<T>();
   float* q = sq.data_ptr<float>();
   for (int64_t i = 0; i < rows * H; ++i) q[i] = float(x[i]) * float(x[i]);
-  const at::Tensor ms = at::mean(sq, -1, true);
+  // ATen's mean is its sum divided by H (one IEEE division, checked bit for bit); the division
+  // here saves mean's second ATen call, 6 of a norm's 10 microseconds.
+  const at::Tensor ms = at::sum(sq, -1, true);
   const float* mp = ms.data_ptr<float>();
   const T* wp = w.data_ptr<T>();
   at::Tensor out = at::empty_like(h);
   T* o = out.data_ptr<T>();
   for (int64_t t = 0; t < rows; ++t) {
-    const float r = 1.0f / std::sqrt(mp[t] + float(eps));
+    const float r = 1.0f / std::sqrt(mp[t] / float(H) + float(eps));
     for (int64_t j = 0; j < H; ++j) o[t * H + j] = T(float(wp[j]) * float(T(float(x[t * H + j]) * r)));
   }
   return out;
@@ -128,9 +130,13 @@ void run_layers(at::Tensor& h, const at::Tensor& cos, const at::Tensor& ssin, co
     at::Tensor o = apply(linears[4 * l + 1], attn.view({T_, q_size})).contiguous();
     add_into<T>(h.data_ptr<T>(), o.data_ptr<T>(), T_ * H);
     x = rms_norm<T>(h, norms[2 * l + 1], eps);
-    at::Tensor gu = apply(linears[4 * l + 2], x);                     // [T, 2 * intermediate]
+    at::Tensor gu = apply(linears[4 * l + 2], x).contiguous();        // [T, 2 * intermediate]
     const int64_t inter = gu.size(1) / 2;
-    at::Tensor act = (at::silu(gu.narrow(1, 0, inter)) * gu.narrow(1, inter, inter)).contiguous();
+    at::Tensor act = at::silu(gu.narrow(1, 0, inter)).contiguous();
+    T* a = act.data_ptr<T>();
+    const T* up = gu.data_ptr<T>() + inter;
+    for (int64_t t = 0; t < T_; ++t)                                  // * up, rounded as torch's mul
+      for (int64_t j = 0; j < inter; ++j) a[t * inter + j] = T(float(a[t * inter + j]) * float(up[t * 2 * inter + j]));
     at::Tensor down = apply(linears[4 * l + 3], act).contiguous();
     add_into<T>(h.data_ptr<T>(), down.data_ptr<T>(), T_ * H);
   }
