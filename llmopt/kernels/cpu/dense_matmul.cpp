@@ -26,7 +26,7 @@ namespace llmopt {
 namespace {
 
 // Rows of x per pass over W (more rows take further passes, each reading W again): 8 where there
-// are 32 vector registers (AVX-512: 2 x 8 accumulators), 4 with AVX2's 16.
+// are 32 vector registers (AVX-512: 8 accumulators and the 8 rows of x), 4 with AVX2's 16.
 #if defined(__AVX512F__)
 constexpr int MT = 8;
 #else
@@ -117,10 +117,8 @@ struct BF16Pairs {
 #endif
 
 // out[r * mt + m] = dot(W row r, x row m) for R consecutive weight rows and mt rows of x (row
-// stride K for both). The R x mt accumulators are independent chains, so the loads of R rows are
-// in flight together and no sum waits on the one before it (a single row's chain, 9 steps of a
-// 576-wide bf16 row, left the memory idle: 19 GB/s). R and mt are template arguments so that
-// the accumulators are registers.
+// stride K for both), R x mt independent accumulator chains. R and mt are template arguments so
+// that the accumulators are registers; `rows` below takes R = 1.
 template <class A, typename W, int R, int mt>
 void tile(const W* w, const typename A::X* x, int64_t K, float* out) {
   typename A::Acc acc[R][mt];
@@ -146,18 +144,18 @@ void tile(const W* w, const typename A::X* x, int64_t K, float* out) {
     }
 }
 
-// Weight rows r0.. (R of them, or 1 at the end of a thread's share) against x rows m0..m0+mt.
-// y is written in x's dtype (a bf16 result rounded to nearest even, as .to(bfloat16) rounds), so
-// no second pass converts it.
+// Weight rows n..n1, one at a time, against x rows m0..m0+mt. y is written in x's dtype (a bf16
+// result rounded to nearest even, as .to(bfloat16) rounds), so no second pass converts it.
+//
+// One weight row per tile, measured on SmolLM2's bf16 weights on an AVX-512 EPYC (2 threads,
+// interleaved runs): the 30 layers' products took 8.2-9.8 ms at one row of x against 14.7-15.2
+// with 4 weight rows a tile, and 9.8-13.6 against 12.6-20.1 at 2 to 8 rows of x; float32 the same
+// or better. One row is one sequential stream for the prefetchers; 4 rows are 4 streams a row
+// apart. (4 rows were chosen earlier on a Xeon, where one chain left the memory idle; not
+// re-measured there.)
 template <class A, typename W, int mt, typename Y>
 void rows(const W* w, const typename A::X* x, int64_t K, int64_t N, int64_t n, int64_t n1, int64_t m0, Y* y) {
-  constexpr int R = mt <= 2 ? 4 : 2;  // accumulators R x mt: 4 to 8 (16 with AVX-512, which has 32 registers)
-  float out[R * mt];
-  for (; n + R <= n1; n += R) {
-    tile<A, W, R, mt>(w + n * K, x + m0 * K, K, out);
-    for (int r = 0; r < R; ++r)
-      for (int m = 0; m < mt; ++m) y[(m0 + m) * N + n + r] = Y(out[r * mt + m]);
-  }
+  float out[mt];
   for (; n < n1; ++n) {
     tile<A, W, 1, mt>(w + n * K, x + m0 * K, K, out);
     for (int m = 0; m < mt; ++m) y[(m0 + m) * N + n] = Y(out[m]);
