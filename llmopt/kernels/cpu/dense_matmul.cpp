@@ -78,7 +78,7 @@ inline float vsum(vfloat v) {
 }
 #endif
 
-// How a tile multiplies: one vector of W against one vector of x into an accumulator.
+// How row_dot multiplies: one vector of W against one vector of x into an accumulator.
 // FMA: W widened to float32 (bf16 is the top half of a float32), times float32 x.
 template <typename W>
 struct FMA {
@@ -116,38 +116,29 @@ struct BF16Pairs {
 };
 #endif
 
-// out[r * mt + m] = dot(W row r, x row m) for R consecutive weight rows and mt rows of x (row
-// stride K for both), R x mt independent accumulator chains. R and mt are template arguments so
-// that the accumulators are registers; `rows` below takes R = 1.
-template <class A, typename W, int R, int mt>
-void tile(const W* w, const typename A::X* x, int64_t K, float* out) {
-  typename A::Acc acc[R][mt];
-  for (int r = 0; r < R; ++r)
-    for (int m = 0; m < mt; ++m) acc[r][m] = A::zero();
+// out[m] = dot(one row of W, x row m) for mt rows of x (row stride K), mt independent
+// accumulator chains; mt is a template argument so that the accumulators are registers.
+template <class A, typename W, int mt>
+void row_dot(const W* w, const typename A::X* x, int64_t K, float* out) {
+  typename A::Acc acc[mt];
+  for (int m = 0; m < mt; ++m) acc[m] = A::zero();
   int64_t k = 0;
   for (; k + A::STEP <= K; k += A::STEP) {
-    decltype(A::wload(w)) wv[R];
-    for (int r = 0; r < R; ++r) {
-      prefetch(w + r * K + k);
-      wv[r] = A::wload(w + r * K + k);
-    }
-    for (int m = 0; m < mt; ++m) {
-      const auto xv = A::xload(x + m * K + k);
-      for (int r = 0; r < R; ++r) acc[r][m] = A::mac(acc[r][m], wv[r], xv);
-    }
+    prefetch(w + k);
+    const auto wv = A::wload(w + k);
+    for (int m = 0; m < mt; ++m) acc[m] = A::mac(acc[m], wv, A::xload(x + m * K + k));
   }
-  for (int r = 0; r < R; ++r)
-    for (int m = 0; m < mt; ++m) {
-      float tail = 0.0f;
-      for (int64_t j = k; j < K; ++j) tail += float(w[r * K + j]) * float(x[m * K + j]);
-      out[r * mt + m] = A::sum(acc[r][m]) + tail;
-    }
+  for (int m = 0; m < mt; ++m) {
+    float tail = 0.0f;
+    for (int64_t j = k; j < K; ++j) tail += float(w[j]) * float(x[m * K + j]);
+    out[m] = A::sum(acc[m]) + tail;
+  }
 }
 
 // Weight rows n..n1, one at a time, against x rows m0..m0+mt. y is written in x's dtype (a bf16
 // result rounded to nearest even, as .to(bfloat16) rounds), so no second pass converts it.
 //
-// One weight row per tile, measured on SmolLM2's bf16 weights on an AVX-512 EPYC (2 threads,
+// One weight row at a time, measured on SmolLM2's bf16 weights on an AVX-512 EPYC (2 threads,
 // interleaved runs): the 30 layers' products took 8.2-9.8 ms at one row of x against 14.7-15.2
 // with 4 weight rows a tile, and 9.8-13.6 against 12.6-20.1 at 2 to 8 rows of x; float32 the same
 // or better. One row is one sequential stream for the prefetchers; 4 rows are 4 streams a row
@@ -157,7 +148,7 @@ template <class A, typename W, int mt, typename Y>
 void rows(const W* w, const typename A::X* x, int64_t K, int64_t N, int64_t n, int64_t n1, int64_t m0, Y* y) {
   float out[mt];
   for (; n < n1; ++n) {
-    tile<A, W, 1, mt>(w + n * K, x + m0 * K, K, out);
+    row_dot<A, W, mt>(w + n * K, x + m0 * K, K, out);
     for (int m = 0; m < mt; ++m) y[(m0 + m) * N + n] = Y(out[m]);
   }
 }
