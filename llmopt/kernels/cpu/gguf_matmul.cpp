@@ -21,6 +21,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 
+#include <cstring>
 #include <vector>
 
 #include "common.h"
@@ -42,11 +43,33 @@ struct QuantizedRow {
   const float* d;
   const float* s;
   const int32_t* c = nullptr;  // VNNI with signed weight codes: -bias * (sum of each 4 values of q)
+  const int8_t* split = nullptr;     // VNNI Q4: q per four blocks, their values 0..15 then 16..31
+  const int32_t* split_c = nullptr;  // VNNI Q4_0: -8 * (sum of the 8 values of split each lane meets)
 };
 
+// Every call quantizes its x before the threads split the rows, so at one row of x this serial
+// loop is part of each matmul's fixed cost: with AVX-512 a block is two vectors (the same IEEE
+// operations, so the same bytes as the scalar loop; a NaN is skipped by the max as by fmax).
 static void quantize_row_q8(const float* x, int64_t K, int8_t* q, float* d_out, float* s_out) {
   for (int64_t b = 0; b < K / QK; ++b) {
     const float* xb = x + b * QK;
+#if defined(__AVX512F__)
+    {
+      const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16), sign = _mm512_set1_ps(-0.0f);
+      const __m512 mx = _mm512_max_ps(_mm512_andnot_ps(sign, x1), _mm512_max_ps(_mm512_andnot_ps(sign, x0), _mm512_setzero_ps()));
+      const float amax = _mm512_reduce_max_ps(mx);
+      const float d = amax / 127.0f;
+      const float id = amax != 0.0f ? 127.0f / amax : 0.0f;
+      constexpr int RN = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+      const __m512i v0 = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(x0, _mm512_set1_ps(id)), RN));
+      const __m512i v1 = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(x1, _mm512_set1_ps(id)), RN));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * QK), _mm512_cvtepi32_epi8(v0));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * QK + 16), _mm512_cvtepi32_epi8(v1));
+      d_out[b] = round_to_fp16(d);
+      s_out[b] = round_to_fp16(d * float(_mm512_reduce_add_epi32(_mm512_add_epi32(v0, v1))));
+      continue;
+    }
+#endif
     float amax = 0.0f;
     for (int j = 0; j < QK; ++j) amax = std::fmax(amax, std::fabs(xb[j]));
     const float d = amax / 127.0f;
@@ -217,12 +240,18 @@ static void vnni_rows(const uint8_t* wq, const uint16_t* wd, const uint16_t* wm,
   constexpr int64_t BYTES = TYPE == Q8_0 ? 32 : 16;
   float out[R * MT];
   for (; n + R <= n1; n += R) {
-    vnni::tile<TYPE, R, MT>(wq + n * nb * BYTES, wd + n * nb, wm ? wm + n * nb : nullptr, nb, nb, xs + m0, out);
+    if constexpr (TYPE == Q8_0)
+      vnni::tile<TYPE, R, MT>(wq + n * nb * BYTES, wd + n * nb, wm, nb, nb, xs + m0, out);
+    else
+      vnni::tile_nibbles<TYPE, R, MT>(wq + n * nb * BYTES, wd + n * nb, wm ? wm + n * nb : nullptr, nb, nb, xs + m0, out);
     for (int r = 0; r < R; ++r)
       for (int m = 0; m < MT; ++m) y[(m0 + m) * N + n + r] = out[r * MT + m];
   }
   for (; n < n1; ++n) {
-    vnni::tile<TYPE, 1, MT>(wq + n * nb * BYTES, wd + n * nb, wm ? wm + n * nb : nullptr, nb, nb, xs + m0, out);
+    if constexpr (TYPE == Q8_0)
+      vnni::tile<TYPE, 1, MT>(wq + n * nb * BYTES, wd + n * nb, wm, nb, nb, xs + m0, out);
+    else
+      vnni::tile_nibbles<TYPE, 1, MT>(wq + n * nb * BYTES, wd + n * nb, wm ? wm + n * nb : nullptr, nb, nb, xs + m0, out);
     for (int m = 0; m < MT; ++m) y[(m0 + m) * N + n] = out[m];
   }
 }
@@ -285,16 +314,42 @@ static void run(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
   const uint16_t* wm = TYPE == Q4_1 ? reinterpret_cast<const uint16_t*>(mn.data_ptr<at::Half>()) : nullptr;
   std::vector<int32_t> xc;
 #ifdef LLMOPT_VNNI512
-  if (int8_activations && TYPE != Q4_1) {  // gguf_vnni.h: signed codes run as codes + bias, minus this
+  if (int8_activations && TYPE == Q8_0) {  // gguf_vnni.h: signed codes run as codes + bias, minus this
     xc.resize(M * K / 4);
     const int32_t bias = vnni::code_bias(TYPE);
     for (int64_t i = 0; i < M * K / 4; ++i)
       xc[i] = -bias * (int32_t(xq[4 * i]) + xq[4 * i + 1] + xq[4 * i + 2] + xq[4 * i + 3]);
   }
 #endif
+  std::vector<int8_t> xsplit;
+  std::vector<int32_t> xsplit_c;
+  const int64_t steps = (nb + 3) / 4;
+#ifdef LLMOPT_VNNI512
+  if (int8_activations && TYPE != Q8_0) {  // gguf_vnni.h's tile_nibbles: x as the nibbles lie
+    xsplit.assign(M * steps * 128, 0);
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t b = 0; b < nb; ++b) {
+        int8_t* dst = xsplit.data() + m * steps * 128 + (b / 4) * 128 + (b % 4) * 16;
+        std::memcpy(dst, xq.data() + m * K + b * QK, 16);
+        std::memcpy(dst + 64, xq.data() + m * K + b * QK + 16, 16);
+      }
+    if (TYPE == Q4_0) {
+      xsplit_c.resize(M * steps * 16);
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t i = 0; i < steps * 16; ++i) {
+          const int8_t* lo = xsplit.data() + m * steps * 128 + (i / 16) * 128 + (i % 16) * 4;
+          int32_t sum = 0;
+          for (int j = 0; j < 4; ++j) sum += lo[j] + lo[64 + j];
+          xsplit_c[m * steps * 16 + i] = -vnni::code_bias(TYPE) * sum;
+        }
+    }
+  }
+#endif
   std::vector<QuantizedRow> xrows;
   for (int64_t m = 0; int8_activations && m < M; ++m)
-    xrows.push_back({xq.data() + m * K, xd.data() + m * nb, xsum.data() + m * nb, xc.empty() ? nullptr : xc.data() + m * K / 4});
+    xrows.push_back({xq.data() + m * K, xd.data() + m * nb, xsum.data() + m * nb, xc.empty() ? nullptr : xc.data() + m * K / 4,
+                     xsplit.empty() ? nullptr : xsplit.data() + m * steps * 128,
+                     xsplit_c.empty() ? nullptr : xsplit_c.data() + m * steps * 16});
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
 #ifdef LLMOPT_VNNI512
     if (int8_activations && nb % 2 == 0) return vnni_all<TYPE>(wq, wd, wm, nb, N, M, xrows.data(), n0, n1, y);
