@@ -38,7 +38,7 @@ from llmopt.sampling_params import SamplingParams
 from llmopt.sequence import Sequence
 from llmopt.spec.proposers import make_proposer
 from llmopt.structured.manager import StructuredOutputManager
-from llmopt.worker import kv_pools
+from llmopt.worker import huge_pages, kv_pools
 from llmopt.worker.kv_cache import kv_cache_torch_dtype
 from llmopt.worker.model_runner import ModelRunner
 
@@ -67,10 +67,10 @@ class LLMEngine:
             self.model = self._start_workers()
         else:
             self.model = load_model(self.model_path, self.dtype, self.device, config.quantization)
+            huge_pages.move_weights(self.model)  # CPU weights onto 2 MB pages, before anything holds one
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
 
-        cfg = self.model_config
-        self.block_size = config.block_size
+        cfg, self.block_size = self.model_config, config.block_size
         self.proposer = make_proposer(config.speculative_config, self.model, self.model_config, self.model_path,
                                       self.dtype, self.device)
         # the pool's dtype: the model's, or FP8 (1 byte a number: more blocks in the same budget)
