@@ -137,6 +137,24 @@ def test_imports_only_point_down():
     assert upward == []
 
 
+def test_no_module_calls_another_objects_private_method():
+    """A method whose name starts with "_" is its class's own business: called on anything but
+    self, cls or super(), it is an edge that leaks (IPython's _repr_*_ display protocol aside)."""
+    trees = [(f, ast.parse(f.read_text())) for f in PACKAGE.rglob("*.py")]
+    private = {b.name for _, t in trees for n in ast.walk(t) if isinstance(n, ast.ClassDef) for b in n.body
+               if isinstance(b, (ast.FunctionDef, ast.AsyncFunctionDef)) and b.name.startswith("_")
+               and not b.name.endswith("__") and not b.name.startswith("_repr_")}
+    calls = []
+    for f, t in trees:
+        for n in ast.walk(t):
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in private:
+                owner = n.func.value
+                if not (isinstance(owner, ast.Name) and owner.id in ("self", "cls")) and not (
+                        isinstance(owner, ast.Call) and getattr(owner.func, "id", None) == "super"):
+                    calls.append(f"{f.relative_to(ROOT)}:{n.lineno} {ast.unparse(n.func)}")
+    assert calls == []
+
+
 def test_every_file_is_short_enough_to_read():
     long = {str(f.relative_to(ROOT)): n for f in PACKAGE.rglob("*.py")
             if (n := len(f.read_text().splitlines())) > MAX_LINES}

@@ -120,7 +120,7 @@ class _ModelProposer:
         """The radix cache copied these blocks in the target's pool: the same here."""
         self.kv_cache.copy_blocks(pairs)
 
-    def _valid(self, seq: Sequence) -> int:
+    def valid_prefix(self, seq: Sequence) -> int:
         """How many leading tokens of `seq` this proposer's KV still holds correctly."""
         seen, tokens = self.fed.get(seq.request_id, (-1, []))
         if seen != seq.num_preemptions:  # new request, or its blocks were freed by a preemption
@@ -135,7 +135,7 @@ class _ModelProposer:
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
         bs = self.bm.block_size
         tables = [self.bm.block_tables[s.request_id] for s in seqs]
-        starts = [self._valid(s) for s in seqs]
+        starts = [self.valid_prefix(s) for s in seqs]
         feeds = [s.token_ids[v:] for s, v in zip(seqs, starts)]
         drafts: list[list[int]] = [[] for _ in seqs]
         qs: list[list[torch.Tensor]] = [[] for _ in seqs]
@@ -149,7 +149,7 @@ class _ModelProposer:
             self.kv_cache.begin_step(meta)
             positions = meta.positions
             last = torch.cumsum(torch.tensor([len(feeds[i]) for i in active], device=self.device), 0) - 1
-            logits, prev = self._forward(ids, positions, [seqs[i] for i in active], starts, active, prev, last)
+            logits, prev = self.draft_forward(ids, positions, [seqs[i] for i in active], starts, active, prev, last)
             for row, i in enumerate(active):
                 token, q = self._pick(logits[row], seqs[i])
                 drafts[i].append(token)
@@ -184,7 +184,9 @@ class DraftModelProposer(_ModelProposer):
     def _stack(self):
         return getattr(self.model, "model", None)
 
-    def _forward(self, ids, positions, seqs, starts, active, prev, last):
+    def draft_forward(self, ids, positions, seqs, starts, active, prev, last):
+        """One draft forward over `ids`, the new tokens of `seqs`; returns the logits at rows `last`
+        and what the next call takes as `prev`."""
         if self._compiled_runs():
             stack = self.model.model
             hidden = stack.norm(self._run_compiled(stack.embed_tokens(ids)))
@@ -241,7 +243,7 @@ class EagleProposer(_ModelProposer):
         """After a target forward: keep the features of every token it computed."""
         self.features[runner.last_meta.slot_mapping] = runner.last_hidden.to(self.dtype)
 
-    def _forward(self, ids, positions, seqs, starts, active, prev, last):
+    def draft_forward(self, ids, positions, seqs, starts, active, prev, last):
         if prev is None:  # catch-up: true features of positions p-1, from their slots
             bs = self.bm.block_size
             slots = []

@@ -81,13 +81,13 @@ def draft_trees(proposer, seqs: list[Sequence], depths: list[int], top_k: int, b
     bs, dev, K = proposer.bm.block_size, proposer.device, top_k
     tables = [proposer.bm.block_tables[s.request_id] for s in seqs]
     # 1. catch up on the tokens the head has not seen (true features), as the chain does
-    starts = [proposer._valid(s) for s in seqs]
+    starts = [proposer.valid_prefix(s) for s in seqs]
     feeds = [s.token_ids[v:] for s, v in zip(seqs, starts)]
     meta = AttentionMetadata.paged(tables, starts, [len(f) for f in feeds], bs, dev)
     proposer.kv_cache.begin_step(meta)
     last = torch.cumsum(torch.tensor([len(f) for f in feeds], device=dev), 0) - 1
     ids = torch.tensor([t for f in feeds for t in f], device=dev)
-    logits, feats = proposer._forward(ids, meta.positions, seqs, starts, list(range(len(seqs))), None, last)
+    logits, feats = proposer.draft_forward(ids, meta.positions, seqs, starts, list(range(len(seqs))), None, last)
     for s in seqs:
         proposer.fed[s.request_id] = (s.num_preemptions, list(s.token_ids))
     # candidates per sequence, in creation order: token, parent (-1 root), path log-prob
