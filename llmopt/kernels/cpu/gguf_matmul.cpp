@@ -42,7 +42,7 @@ struct QuantizedRow {
   const int8_t* q;
   const float* d;
   const float* s;
-  const int32_t* c = nullptr;  // VNNI with signed weight codes: -bias * (sum of each 4 values of q)
+  const int32_t* c = nullptr;  // VNNI Q8_0 (signed codes): -bias * (sum of each 4 values of q)
   const int8_t* split = nullptr;     // VNNI Q4: q per four blocks, their values 0..15 then 16..31
   const int32_t* split_c = nullptr;  // VNNI Q4_0: -8 * (sum of the 8 values of split each lane meets)
 };
@@ -54,22 +54,19 @@ static void quantize_row_q8(const float* x, int64_t K, int8_t* q, float* d_out, 
   for (int64_t b = 0; b < K / QK; ++b) {
     const float* xb = x + b * QK;
 #if defined(__AVX512F__)
-    {
-      const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16), sign = _mm512_set1_ps(-0.0f);
-      const __m512 mx = _mm512_max_ps(_mm512_andnot_ps(sign, x1), _mm512_max_ps(_mm512_andnot_ps(sign, x0), _mm512_setzero_ps()));
-      const float amax = _mm512_reduce_max_ps(mx);
-      const float d = amax / 127.0f;
-      const float id = amax != 0.0f ? 127.0f / amax : 0.0f;
-      constexpr int RN = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-      const __m512i v0 = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(x0, _mm512_set1_ps(id)), RN));
-      const __m512i v1 = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(x1, _mm512_set1_ps(id)), RN));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * QK), _mm512_cvtepi32_epi8(v0));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * QK + 16), _mm512_cvtepi32_epi8(v1));
-      d_out[b] = round_to_fp16(d);
-      s_out[b] = round_to_fp16(d * float(_mm512_reduce_add_epi32(_mm512_add_epi32(v0, v1))));
-      continue;
-    }
-#endif
+    const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16), sign = _mm512_set1_ps(-0.0f);
+    const __m512 mx = _mm512_max_ps(_mm512_andnot_ps(sign, x1), _mm512_max_ps(_mm512_andnot_ps(sign, x0), _mm512_setzero_ps()));
+    const float amax = _mm512_reduce_max_ps(mx);
+    const float d = amax / 127.0f;
+    const float id = amax != 0.0f ? 127.0f / amax : 0.0f;
+    constexpr int RN = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    const __m512i v0 = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(x0, _mm512_set1_ps(id)), RN));
+    const __m512i v1 = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(x1, _mm512_set1_ps(id)), RN));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * QK), _mm512_cvtepi32_epi8(v0));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * QK + 16), _mm512_cvtepi32_epi8(v1));
+    d_out[b] = round_to_fp16(d);
+    s_out[b] = round_to_fp16(d * float(_mm512_reduce_add_epi32(_mm512_add_epi32(v0, v1))));
+#else
     float amax = 0.0f;
     for (int j = 0; j < QK; ++j) amax = std::fmax(amax, std::fabs(xb[j]));
     const float d = amax / 127.0f;
@@ -82,6 +79,7 @@ static void quantize_row_q8(const float* x, int64_t K, int8_t* q, float* d_out, 
     }
     d_out[b] = round_to_fp16(d);
     s_out[b] = round_to_fp16(d * float(sum));
+#endif
   }
 }
 
@@ -240,18 +238,12 @@ static void vnni_rows(const uint8_t* wq, const uint16_t* wd, const uint16_t* wm,
   constexpr int64_t BYTES = TYPE == Q8_0 ? 32 : 16;
   float out[R * MT];
   for (; n + R <= n1; n += R) {
-    if constexpr (TYPE == Q8_0)
-      vnni::tile<TYPE, R, MT>(wq + n * nb * BYTES, wd + n * nb, wm, nb, nb, xs + m0, out);
-    else
-      vnni::tile_nibbles<TYPE, R, MT>(wq + n * nb * BYTES, wd + n * nb, wm ? wm + n * nb : nullptr, nb, nb, xs + m0, out);
+    vnni::block_tile<TYPE, R, MT>(wq + n * nb * BYTES, wd + n * nb, wm ? wm + n * nb : nullptr, nb, xs + m0, out);
     for (int r = 0; r < R; ++r)
       for (int m = 0; m < MT; ++m) y[(m0 + m) * N + n + r] = out[r * MT + m];
   }
   for (; n < n1; ++n) {
-    if constexpr (TYPE == Q8_0)
-      vnni::tile<TYPE, 1, MT>(wq + n * nb * BYTES, wd + n * nb, wm, nb, nb, xs + m0, out);
-    else
-      vnni::tile_nibbles<TYPE, 1, MT>(wq + n * nb * BYTES, wd + n * nb, wm ? wm + n * nb : nullptr, nb, nb, xs + m0, out);
+    vnni::block_tile<TYPE, 1, MT>(wq + n * nb * BYTES, wd + n * nb, wm ? wm + n * nb : nullptr, nb, xs + m0, out);
     for (int m = 0; m < MT; ++m) y[(m0 + m) * N + n] = out[m];
   }
 }

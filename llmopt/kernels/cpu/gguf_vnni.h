@@ -153,5 +153,13 @@ inline void tile_nibbles(const uint8_t* w, const uint16_t* wd, const uint16_t* w
     for (int m = 0; m < MT; ++m) out[r * MT + m] = _mm512_reduce_add_ps(acc[r][m]);
 }
 
+// The tile for a block type: `tile` for Q8_0, `tile_nibbles` for Q4_0 and Q4_1.
+template <int64_t TYPE, int R, int MT, typename Row>
+inline void block_tile(const uint8_t* w, const uint16_t* wd, const uint16_t* wm, int64_t nb, const Row* xs,
+                       float* out) {
+  if constexpr (TYPE == 8) tile<TYPE, R, MT>(w, wd, wm, nb, nb, xs, out);
+  else tile_nibbles<TYPE, R, MT>(w, wd, wm, nb, nb, xs, out);
+}
+
 }  // namespace llmopt::vnni
 #endif
