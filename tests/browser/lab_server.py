@@ -82,6 +82,14 @@ class JupyterLab:
         # No input history in the lessons' kernels: IPython's history thread, meeting the sqlite file
         # another kernel left locked, prints "The history saving thread hit an unexpected error
         # (... readonly database)" to stdout in whatever cell is running (two CI runs failed on it).
+        # No list of workspaces: its model polls GET /lab/api/workspaces, which reads every saved
+        # workspace file while the page's layout saves (PUT) rewrite its own in place (truncate, then
+        # write), and a read between the two is a JSON error the server answers with 500 (a CI run
+        # failed on lesson 07 so). The layout is still saved; only the list and its menus are gone.
+        labconfig = home / "config" / "labconfig"
+        labconfig.mkdir(parents=True, exist_ok=True)
+        (labconfig / "page_config.json").write_text(json.dumps(
+            {"disabledExtensions": {"@jupyterlab/workspaces-extension": True}}))
         profile = home / "ipython" / "profile_default"
         profile.mkdir(parents=True, exist_ok=True)
         (profile / "ipython_kernel_config.py").write_text("c.HistoryManager.enabled = False\n")

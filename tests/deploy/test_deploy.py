@@ -274,8 +274,19 @@ def test_a_request_past_its_deadline_is_aborted(replicas):
 
 
 # -- faults: a replica killed, a replica drained --------------------------------------------------
-def test_a_replica_killed_under_load_fails_no_request_that_had_not_started_streaming(lb, replicas):
+def test_a_replica_killed_under_load_fails_no_request_that_had_not_started_streaming(replicas):
     wait_idle(replicas)
+    # A load balancer of its own, that has seen no failure: the overload test's 503s leave nginx
+    # counting a failure against a replica until a request it was given after fail_timeout completes,
+    # and until then each pick puts the replica on probation for fail_timeout (it takes nothing
+    # else). Under 400-token requests that lasts the whole test, so a retry of the killed replica's
+    # requests could find both others on probation and answer 503 no_replica (nginx's documented
+    # max_fails behaviour, not what this test is about).
+    with NginxProcess([s.url for s in replicas]) as lb:
+        killed_replica_under_load(lb, replicas)
+
+
+def killed_replica_under_load(lb, replicas):
     victim = replicas[0]
     # 2 per replica: once the victim's are retried, the two left hold 3 each, within their 2 + 3 places
     # long enough that a quiet machine is still generating when the kill lands (96 tokens were
@@ -293,6 +304,8 @@ def test_a_replica_killed_under_load_fails_no_request_that_had_not_started_strea
     for p, r in zip(payloads, results):
         complete = r["status"] == 200 and r["finish"] == "length" and r["error"] is None
         if not complete:  # only a stream that had started on the killed replica may fail
+            if not (p["stream"] and r["status"] == 200 and r["chunks"] > 0):
+                print("\n".join(lb.access_log()), lb.error_log(), sep="\n")  # the report shows stdout whole
             assert p["stream"] and r["status"] == 200 and r["chunks"] > 0, (
                 r["status"], upstreams(r), p["stream"], r.get("json"), r["chunks"], r["error"],
                 lb.access_log()[-12:], lb.error_log()[-3000:])
