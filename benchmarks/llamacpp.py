@@ -143,8 +143,8 @@ def llmopt_engine(path: str, seqs: int = 1, dtype: str = "float32"):
 def llmopt_greedy(llm, n: int, prompts: list[str] = PROMPTS) -> list[str]:
     from llmopt import SamplingParams
 
-    # one prompt at a time, as llama-simple runs them: a batch of prompts is a prefill of more than
-    # 32 rows, which llmopt multiplies by the dense copy in float (llama.cpp keeps int8 activations)
+    # one prompt at a time, as llama-simple runs them (on a CPU without AVX512_VNNI a batch of
+    # prompts is a prefill of more than 32 rows, which llmopt multiplies by the dense copy in float)
     params = SamplingParams(max_tokens=n, temperature=0.0)
     return [llm.generate([p], params, use_tqdm=False)[0].outputs[0].text for p in prompts]
 

@@ -16,14 +16,19 @@ from torch import nn
 from llmopt.kernels import cpu
 from llmopt.kernels.cpu.gguf_blocks import ACTIVATIONS, MATMUL_DTYPES, GGUFBlockWeight
 
-# Up to this many rows of x the block kernel beats the dense matmul in x's dtype (gate_up
-# 3072 x 576 on 2 AVX2 cores, benchmarks/results/cpu_kernels.md): fp32 dense takes over past
-# 32 rows (64 rows: 2.6 ms dense, 3.3 ms kernel); a bf16 matmul without native bf16
+# Up to this many rows of x the block kernel beats the dense matmul in x's dtype. On AVX2 alone
+# (gate_up 3072 x 576 on 2 cores, benchmarks/results/cpu_kernels.md) fp32 dense takes over past
+# 32 rows (64 rows: 2.6 ms dense, 3.3 ms kernel). With AVX512_VNNI the kernel wins at every size
+# (one SmolLM2 layer's four matmuls, 2 threads, AMD EPYC: Q4_1 at 64 rows 3.3 ms against 5.8
+# dense fp32, at 512 rows 21 against 28; Q8_0 4.3 / 6.4 and 23 / 28), so prompts run on the
+# blocks too, with int8 activations as llama.cpp's prompts do. A bf16 matmul without native bf16
 # instructions is slower than the kernel even at 512 rows (107 vs 29 ms). With AMX, torch's bf16
 # matmul runs on tile units: all of SmolLM2's linears at 16 rows took 22 ms dense against 23
 # through the blocks (AVX512_VNNI), at 64 rows 29 against 86 (Intel Xeon, 2 threads), so there
 # the dense copy takes over past 16 rows.
-KERNEL_MAX_ROWS = {torch.float32: 32, torch.bfloat16: 16 if "amx_bf16" in cpu.cpu_flags().split() else 512}
+_FLAGS = cpu.cpu_flags().split()
+KERNEL_MAX_ROWS = {torch.float32: 512 if "avx512_vnni" in _FLAGS else 32,
+                   torch.bfloat16: 16 if "amx_bf16" in _FLAGS else 512}
 
 
 class GGUFLinear(nn.Module):

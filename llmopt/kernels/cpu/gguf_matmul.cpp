@@ -2,10 +2,10 @@
 // and for Q4_1 an fp16 min m), the arithmetic llama.cpp runs on a CPU.
 //
 // Why this arithmetic at small M (decode): a step reads every weight once, so the kernel
-// must spend fewer cycles per weight than the memory needs to deliver it. On AVX2 (this
-// course's EPYC exposes AVX2 + FMA + F16C, no AVX-512) multiplying int8 by int8 does 32
-// products per instruction pair (maddubs + madd), where widening the weights to fp32 and
-// using FMA does 8, and the widening costs more instructions than the products. So, as
+// must spend fewer cycles per weight than the memory needs to deliver it. On AVX2 multiplying
+// int8 by int8 does 32 products per instruction pair (maddubs + madd, gguf_rows.h), with
+// AVX512_VNNI 64 per instruction (gguf_vnni.h), where widening the weights to fp32 and using
+// FMA does 8, and the widening costs more instructions than the products. So, as
 // llama.cpp does, each row of x is quantized per 32 values to int8 (Q8_0: d = amax / 127,
 // stored as fp16; for Q4_1 also s = d * sum(q), Q8_1), block dot products are exact int32
 // sums, and each block adds sum * d_w * d_x to fp32 accumulators. `gguf_matmul_f32` is the
@@ -25,27 +25,16 @@
 #include <vector>
 
 #include "common.h"
+#include "gguf_rows.h"
 #include "gguf_vnni.h"
 
 namespace llmopt {
 
-constexpr int QK = 32;
 // Decode takes 4 weight rows at a time only while the weight stays in cache (measured on
 // SmolLM2: 3072 x 576 Q8_0 at 1 row of x, 118 vs 195 us on one thread). A weight streamed from
 // memory runs slower that way (the 49152 x 576 head: 4.2 vs 2.3 ms), its four interleaved
 // streams defeating the prefetcher, so from this size on rows go one at a time.
 constexpr int64_t MULTI_ROW_MAX_BYTES = 8 << 20;
-enum GGMLType : int64_t { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };
-
-// One row of x quantized per 32 values: q int8 [K], d and s (fp16-rounded floats) [K / 32].
-struct QuantizedRow {
-  const int8_t* q;
-  const float* d;
-  const float* s;
-  const int32_t* c = nullptr;  // VNNI Q8_0 (signed codes): -bias * (sum of each 4 values of q)
-  const int8_t* split = nullptr;     // VNNI Q4: q per four blocks, their values 0..15 then 16..31
-  const int32_t* split_c = nullptr;  // VNNI Q4_0: -8 * (sum of the 8 values of split each lane meets)
-};
 
 // Every call quantizes its x before the threads split the rows, so at one row of x this serial
 // loop is part of each matmul's fixed cost: with AVX-512 a block is two vectors (the same IEEE
@@ -81,152 +70,6 @@ static void quantize_row_q8(const float* x, int64_t K, int8_t* q, float* d_out, 
     s_out[b] = round_to_fp16(d * float(sum));
 #endif
   }
-}
-
-#ifdef LLMOPT_AVX2
-static inline float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
-// 16 bytes of nibbles -> 32 bytes: low nibbles (weights 0..15), then high (16..31).
-static inline __m256i unpack_nibbles(const uint8_t* p) {
-  const __m128i t = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  const __m256i both = _mm256_set_m128i(_mm_srli_epi16(t, 4), t);
-  return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
-}
-
-// sum of u8 * s8 products, 8 int32 lanes, as floats (no overflow: |pair| <= 255 * 128 * 2 < 2^16
-// only for u8 <= 127 or the signs below, which is all that is passed here)
-static inline __m256 dot_u8_s8(__m256i u, __m256i s) {
-  const __m256i pairs = _mm256_maddubs_epi16(u, s);
-  return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
-}
-
-// s8 * s8: move the sign of w onto x, so that maddubs sees |w| (u8 <= 128) times s8.
-static inline __m256 dot_s8_s8(__m256i w, __m256i x) {
-  return dot_u8_s8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
-}
-
-// A block's 32 weights as bytes: int8 (Q8_0), q - 8 (Q4_0), q in 0..15 (Q4_1).
-template <int64_t TYPE>
-static inline __m256i load_block(const uint8_t* p) {
-  if constexpr (TYPE == Q8_0) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  else if constexpr (TYPE == Q4_0) return _mm256_sub_epi8(unpack_nibbles(p), _mm256_set1_epi8(8));
-  else return unpack_nibbles(p);
-}
-
-template <int64_t TYPE>
-static inline __m256 block_dot(__m256i qw, __m256i qx) {
-  if constexpr (TYPE == Q4_1) return dot_u8_s8(qw, qx);
-  else return dot_s8_s8(qw, qx);
-}
-#endif
-
-// One weight row against MT quantized rows of x: out[m] = sum_b dot_b * d_w * d_x (+ m_w * s_x).
-template <int64_t TYPE, int MT>
-static void dot_row_int8(const uint8_t* w, const uint16_t* wd, const uint16_t* wm, int64_t nb,
-                         const QuantizedRow* xs, float* out) {
-#ifdef LLMOPT_AVX2
-  constexpr int BYTES = TYPE == Q8_0 ? 32 : 16;
-  __m256 acc[MT];
-  float summs[MT];
-  for (int m = 0; m < MT; ++m) { acc[m] = _mm256_setzero_ps(); summs[m] = 0.0f; }
-  for (int64_t b = 0; b < nb; ++b) {
-    const float dw = fp16_to_float(wd[b]);
-    const __m256i qw = load_block<TYPE>(w + b * BYTES);
-    for (int m = 0; m < MT; ++m) {
-      const __m256i qx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xs[m].q + b * QK));
-      const __m256 p = block_dot<TYPE>(qw, qx);
-      acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(dw * xs[m].d[b]), p, acc[m]);
-      if constexpr (TYPE == Q4_1) summs[m] += fp16_to_float(wm[b]) * xs[m].s[b];
-    }
-  }
-  for (int m = 0; m < MT; ++m) out[m] = hsum8(acc[m]) + summs[m];
-#else
-  for (int m = 0; m < MT; ++m) {
-    float total = 0.0f;
-    for (int64_t b = 0; b < nb; ++b) {
-      int sum = 0;
-      for (int j = 0; j < QK; ++j) {
-        int q;
-        if (TYPE == Q8_0) q = int8_t(w[b * 32 + j]);
-        else q = (j < 16 ? w[b * 16 + j] & 15 : w[b * 16 + j - 16] >> 4) - (TYPE == Q4_0 ? 8 : 0);
-        sum += q * xs[m].q[b * QK + j];
-      }
-      total += float(sum) * (fp16_to_float(wd[b]) * xs[m].d[b]);
-      if (TYPE == Q4_1) total += fp16_to_float(wm[b]) * xs[m].s[b];
-    }
-    out[m] = total;
-  }
-#endif
-}
-
-// Decode (one row of x): R weight rows at a time, so that the R accumulator chains run in
-// parallel (one FMA chain alone waits 4 cycles a block) and each block of x is loaded once.
-template <int64_t TYPE, int R>
-static void dot_rows_int8(const uint8_t* w, const uint16_t* wd, const uint16_t* wm, int64_t nb,
-                          int64_t row_stride, const QuantizedRow& x, float* out) {
-#ifdef LLMOPT_AVX2
-  constexpr int BYTES = TYPE == Q8_0 ? 32 : 16;
-  __m256 acc[R];
-  float summs[R];
-  for (int r = 0; r < R; ++r) { acc[r] = _mm256_setzero_ps(); summs[r] = 0.0f; }
-  for (int64_t b = 0; b < nb; ++b) {
-    const __m256i qx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + b * QK));
-    const float dx = x.d[b];
-    for (int r = 0; r < R; ++r) {
-      const __m256 p = block_dot<TYPE>(load_block<TYPE>(w + r * row_stride * BYTES + b * BYTES), qx);
-      if constexpr (TYPE == Q4_1) summs[r] += fp16_to_float(wm[r * row_stride + b]) * x.s[b];
-      acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(fp16_to_float(wd[r * row_stride + b]) * dx), p, acc[r]);
-    }
-  }
-  for (int r = 0; r < R; ++r) out[r] = hsum8(acc[r]) + summs[r];
-#else
-  for (int r = 0; r < R; ++r)
-    dot_row_int8<TYPE, 1>(w + r * row_stride * (TYPE == Q8_0 ? 32 : 16), wd + r * row_stride,
-                          wm ? wm + r * row_stride : nullptr, nb, &x, out + r);
-#endif
-}
-
-// The weights dequantized in registers, times fp32 x.
-template <int64_t TYPE, int MT>
-static void dot_row_f32(const uint8_t* w, const uint16_t* wd, const uint16_t* wm, int64_t nb,
-                        const float* const* xs, float* out) {
-  float acc[MT] = {};
-#ifdef LLMOPT_AVX2
-  __m256 a[MT][4];
-  for (int m = 0; m < MT; ++m)
-    for (int k = 0; k < 4; ++k) a[m][k] = _mm256_setzero_ps();
-#endif
-  for (int64_t b = 0; b < nb; ++b) {
-    alignas(32) float wf[QK];
-    const float d = fp16_to_float(wd[b]);
-    const float mn = TYPE == Q4_1 ? fp16_to_float(wm[b]) : 0.0f;
-    for (int j = 0; j < QK; ++j) {
-      int q;
-      if (TYPE == Q8_0) q = int8_t(w[b * 32 + j]);
-      else q = (j < 16 ? w[b * 16 + j] & 15 : w[b * 16 + j - 16] >> 4) - (TYPE == Q4_0 ? 8 : 0);
-      wf[j] = TYPE == Q4_1 ? float(q) * d + mn : float(q) * d;
-    }
-#ifdef LLMOPT_AVX2
-    for (int k = 0; k < 4; ++k) {
-      const __m256 wk = _mm256_load_ps(wf + 8 * k);
-      for (int m = 0; m < MT; ++m)
-        a[m][k] = _mm256_fmadd_ps(wk, _mm256_loadu_ps(xs[m] + b * QK + 8 * k), a[m][k]);
-    }
-#else
-    for (int m = 0; m < MT; ++m)
-      for (int j = 0; j < QK; ++j) acc[m] += wf[j] * xs[m][b * QK + j];
-#endif
-  }
-#ifdef LLMOPT_AVX2
-  for (int m = 0; m < MT; ++m)
-    acc[m] = hsum8(_mm256_add_ps(_mm256_add_ps(a[m][0], a[m][1]), _mm256_add_ps(a[m][2], a[m][3])));
-#endif
-  for (int m = 0; m < MT; ++m) out[m] = acc[m];
 }
 
 #ifdef LLMOPT_VNNI512
@@ -292,51 +135,50 @@ static void run(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
   const int64_t BYTES = TYPE == Q8_0 ? 32 : 16;
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   const float* xp = xf.data_ptr<float>();
-  std::vector<int8_t> xq;
-  std::vector<float> xd, xsum;
-  if (int8_activations) {     // once per call, before the threads split the rows
-    xq.resize(M * K);
-    xd.resize(M * nb);
-    xsum.resize(M * nb);
-    for (int64_t m = 0; m < M; ++m)
-      quantize_row_q8(xp + m * K, K, xq.data() + m * K, xd.data() + m * nb, xsum.data() + m * nb);
-  }
   const uint8_t* wq = qs.data_ptr<uint8_t>();
   const uint16_t* wd = reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>());
   const uint16_t* wm = TYPE == Q4_1 ? reinterpret_cast<const uint16_t*>(mn.data_ptr<at::Half>()) : nullptr;
-  std::vector<int32_t> xc;
-#ifdef LLMOPT_VNNI512
-  if (int8_activations && TYPE == Q8_0) {  // gguf_vnni.h: signed codes run as codes + bias, minus this
-    xc.resize(M * K / 4);
-    const int32_t bias = vnni::code_bias(TYPE);
-    for (int64_t i = 0; i < M * K / 4; ++i)
-      xc[i] = -bias * (int32_t(xq[4 * i]) + xq[4 * i + 1] + xq[4 * i + 2] + xq[4 * i + 3]);
-  }
-#endif
-  std::vector<int8_t> xsplit;
-  std::vector<int32_t> xsplit_c;
+  // x rounded to int8 once per call, before the threads split the weight rows (a prompt's
+  // hundreds of rows split among the threads here too; one row runs on the calling thread).
+  std::vector<int8_t> xq, xsplit;
+  std::vector<float> xd, xsum;
+  std::vector<int32_t> xc, xsplit_c;
   const int64_t steps = (nb + 3) / 4;
+  if (int8_activations) {
+    xq.resize(M * K);
+    xd.resize(M * nb);
+    xsum.resize(M * nb);
 #ifdef LLMOPT_VNNI512
-  if (int8_activations && TYPE != Q8_0) {  // gguf_vnni.h's tile_nibbles: x as the nibbles lie
-    xsplit.assign(M * steps * 128, 0);
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t b = 0; b < nb; ++b) {
-        int8_t* dst = xsplit.data() + m * steps * 128 + (b / 4) * 128 + (b % 4) * 16;
-        std::memcpy(dst, xq.data() + m * K + b * QK, 16);
-        std::memcpy(dst + 64, xq.data() + m * K + b * QK + 16, 16);
-      }
-    if (TYPE == Q4_0) {
-      xsplit_c.resize(M * steps * 16);
-      for (int64_t m = 0; m < M; ++m)
-        for (int64_t i = 0; i < steps * 16; ++i) {
-          const int8_t* lo = xsplit.data() + m * steps * 128 + (i / 16) * 128 + (i % 16) * 4;
+    if (TYPE == Q8_0) xc.resize(M * K / 4);  // gguf_vnni.h: signed codes run as codes + bias, minus this
+    else xsplit.assign(M * steps * 128, 0);  // gguf_vnni.h's tile_nibbles: x as the nibbles lie
+    if (TYPE == Q4_0) xsplit_c.resize(M * steps * 16);
+#endif
+    at::parallel_for(0, M, 8, [&](int64_t m0, int64_t m1) {
+      for (int64_t m = m0; m < m1; ++m) {
+        int8_t* q = xq.data() + m * K;
+        quantize_row_q8(xp + m * K, K, q, xd.data() + m * nb, xsum.data() + m * nb);
+#ifdef LLMOPT_VNNI512
+        const int32_t bias = vnni::code_bias(TYPE);
+        if (TYPE == Q8_0)
+          for (int64_t i = 0; i < K / 4; ++i)
+            xc[m * K / 4 + i] = -bias * (int32_t(q[4 * i]) + q[4 * i + 1] + q[4 * i + 2] + q[4 * i + 3]);
+        if (TYPE == Q8_0) continue;
+        int8_t* split = xsplit.data() + m * steps * 128;
+        for (int64_t b = 0; b < nb; ++b) {
+          int8_t* dst = split + (b / 4) * 128 + (b % 4) * 16;
+          std::memcpy(dst, q + b * QK, 16);
+          std::memcpy(dst + 64, q + b * QK + 16, 16);
+        }
+        for (int64_t i = 0; TYPE == Q4_0 && i < steps * 16; ++i) {
+          const int8_t* lo = split + (i / 16) * 128 + (i % 16) * 4;
           int32_t sum = 0;
           for (int j = 0; j < 4; ++j) sum += lo[j] + lo[64 + j];
-          xsplit_c[m * steps * 16 + i] = -vnni::code_bias(TYPE) * sum;
+          xsplit_c[m * steps * 16 + i] = -bias * sum;
         }
-    }
-  }
 #endif
+      }
+    });
+  }
   std::vector<QuantizedRow> xrows;
   for (int64_t m = 0; int8_activations && m < M; ++m)
     xrows.push_back({xq.data() + m * K, xd.data() + m * nb, xsum.data() + m * nb, xc.empty() ? nullptr : xc.data() + m * K / 4,
