@@ -211,12 +211,13 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const 
 #ifdef LLMOPT_ATTN_AVX512
       if (nq == 1 && !tree && (fmt == KV_F32 || fmt == KV_BF16)) {
         const int32_t* blocks = table + it.seq * max_blocks;
-        auto row_at = [&](int64_t p) { return ((size_t(blocks[p / BS]) * BS + p % BS) * Hkv + it.kv_head) * D * elem; };
+        auto block_at = [&](int64_t b) { return (size_t(blocks[b]) * BS * Hkv + it.kv_head) * D * elem; };
+        const size_t key_stride = Hkv * D * elem;
         in_registers = fmt == KV_BF16
-            ? attn::decode_item_any<true>(rows, D, qf.data(), kbase, vbase, it.k0, it.k1, BS, fscale, row_at,
-                                          m.data(), l.data(), acc.data())
-            : attn::decode_item_any<false>(rows, D, qf.data(), kbase, vbase, it.k0, it.k1, BS, fscale, row_at,
-                                           m.data(), l.data(), acc.data());
+            ? attn::decode_item_any<true>(rows, D, qf.data(), kbase, vbase, it.k0, it.k1, BS, fscale, block_at,
+                                          key_stride, m.data(), l.data(), acc.data())
+            : attn::decode_item_any<false>(rows, D, qf.data(), kbase, vbase, it.k0, it.k1, BS, fscale, block_at,
+                                           key_stride, m.data(), l.data(), acc.data());
       }
 #endif
       if (!in_registers) {
