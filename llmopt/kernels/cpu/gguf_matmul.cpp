@@ -14,7 +14,8 @@
 //
 // Threads split the output rows (at::parallel_for). Up to 4 rows of x share one decoding
 // of a weight block, and a weight row (a few hundred bytes) stays in L1 while further
-// tiles of x run over it; past a few dozen rows a dense matmul wins (the caller decides).
+// tiles of x run over it; past a few dozen rows a dense fp32 matmul wins on AVX2, not against
+// VNNI (llmopt/layers/gguf_linear.py decides).
 #include <ATen/Parallel.h>
 #include <ATen/record_function.h>
 #include <ATen/core/Tensor.h>
