@@ -3,7 +3,8 @@
 GPU time is short and rare, so this script is prepared ahead and runs everything in one
 process, in sections, each guarded: a section that fails or raises is recorded with its error
 and the script goes on; each has a time budget (checked between steps, and a hard alarm at
-1.5x), so the whole fits 8 minutes on an H200 (in the dry run the budgets count CPU seconds). The sections, in order:
+1.5x), so the whole fits 8 minutes on an H200 (in the dry run the budgets count CPU seconds and
+the alarm, there only a guard against a section that hangs, is at 4x). The sections, in order:
 
 1. `env`: the device, versions, and the ceilings measured in place (copy bandwidth, bf16
    matmul FLOP/s; the H200's ~4.3 TB/s and ~790 TFLOP/s are the fallbacks).
@@ -67,8 +68,16 @@ class Section:
     error: str | None = None
 
 
+# The hard alarm, as a multiple of a section's budget. On the GPU, 1.5x keeps the whole run inside
+# the device time. The dry run's CPU seconds are not the GPU's and swell on a shared machine: the
+# SmolLM2 FP8 section took 19 s of CPU alone and 66 s in CI beside the browser suite (budget 45 s),
+# so there the alarm only catches a hang.
+ALARM = 1.5
+DRY_RUN_ALARM = 4.0
+
+
 class OverBudget(BaseException):
-    """Raised inside a section by the hard alarm, at 1.5x its budget. A BaseException, as
+    """Raised inside a section by the hard alarm, at ALARM x its budget. A BaseException, as
     KeyboardInterrupt is, so that code which turns errors into failed requests (the engine's
     step does) lets it through."""
 
@@ -156,8 +165,10 @@ def run_section(run: Run, section: Section, fn) -> None:
     t0, cpu0 = time.monotonic(), time.process_time()
     run._deadline = run.clock() + section.budget_s
 
+    factor = DRY_RUN_ALARM if run.dry_run else ALARM
+
     def alarm(signum, frame):
-        raise OverBudget(f"over 1.5x its budget of {section.budget_s:.0f} s")
+        raise OverBudget(f"over {factor:g}x its budget of {section.budget_s:.0f} s")
 
     # the same two clocks: real time on the GPU, this process's CPU time (SIGPROF) in the dry run
     timer, signum = ((signal.ITIMER_PROF, getattr(signal, "SIGPROF", None)) if run.dry_run
@@ -165,7 +176,7 @@ def run_section(run: Run, section: Section, fn) -> None:
     use_alarm = signum is not None
     if use_alarm:
         previous = signal.signal(signum, alarm)
-        signal.setitimer(timer, 1.5 * section.budget_s)
+        signal.setitimer(timer, factor * section.budget_s)
     try:
         fn(run)
         failed = [c["name"] for c in section.checks if not c["ok"]]
