@@ -159,22 +159,23 @@ static void run(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
         int8_t* q = xq.data() + m * K;
         quantize_row_q8(xp + m * K, K, q, xd.data() + m * nb, xsum.data() + m * nb);
 #ifdef LLMOPT_VNNI512
-        const int32_t bias = vnni::code_bias(TYPE);
-        if (TYPE == Q8_0)
+        constexpr int32_t bias = vnni::code_bias(TYPE);
+        if constexpr (TYPE == Q8_0) {
           for (int64_t i = 0; i < K / 4; ++i)
             xc[m * K / 4 + i] = -bias * (int32_t(q[4 * i]) + q[4 * i + 1] + q[4 * i + 2] + q[4 * i + 3]);
-        if (TYPE == Q8_0) continue;
-        int8_t* split = xsplit.data() + m * steps * 128;
-        for (int64_t b = 0; b < nb; ++b) {
-          int8_t* dst = split + (b / 4) * 128 + (b % 4) * 16;
-          std::memcpy(dst, q + b * QK, 16);
-          std::memcpy(dst + 64, q + b * QK + 16, 16);
-        }
-        for (int64_t i = 0; TYPE == Q4_0 && i < steps * 16; ++i) {
-          const int8_t* lo = split + (i / 16) * 128 + (i % 16) * 4;
-          int32_t sum = 0;
-          for (int j = 0; j < 4; ++j) sum += lo[j] + lo[64 + j];
-          xsplit_c[m * steps * 16 + i] = -bias * sum;
+        } else {
+          int8_t* split = xsplit.data() + m * steps * 128;
+          for (int64_t b = 0; b < nb; ++b) {
+            int8_t* dst = split + (b / 4) * 128 + (b % 4) * 16;
+            std::memcpy(dst, q + b * QK, 16);
+            std::memcpy(dst + 64, q + b * QK + 16, 16);
+          }
+          for (int64_t i = 0; TYPE == Q4_0 && i < steps * 16; ++i) {
+            const int8_t* lo = split + (i / 16) * 128 + (i % 16) * 4;
+            int32_t sum = 0;
+            for (int j = 0; j < 4; ++j) sum += lo[j] + lo[64 + j];
+            xsplit_c[m * steps * 16 + i] = -bias * sum;
+          }
         }
 #endif
       }
