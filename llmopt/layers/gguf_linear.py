@@ -3,8 +3,9 @@
 At decode batch sizes the C++ kernel (`llmopt.kernels.cpu.gguf_blocks`) reads the blocks
 directly: 8.5 bits a weight for Q8_0, 4.5 / 5 for Q4_0 / Q4_1, against 16 for bf16, and a
 decode step's time is the time to read its weights. A large batch of rows (a prompt) is
-compute-bound instead, so there the layer multiplies by a dense copy of the same weights,
-dequantized once. Without the C++ kernels every call takes the dense copy.
+compute-bound instead: with AVX512_VNNI the kernel's panels still win there (`KERNEL_MAX_ROWS`);
+elsewhere the layer multiplies by a dense copy of the same weights, dequantized once. Without
+the C++ kernels every call takes the dense copy.
 """
 
 from __future__ import annotations
@@ -18,18 +19,18 @@ from llmopt.kernels.cpu.gguf_blocks import ACTIVATIONS, MATMUL_DTYPES, GGUFBlock
 
 # Up to this many rows of x the block kernel beats the dense matmul in x's dtype. On AVX2 alone
 # (gate_up 3072 x 576 on 2 cores, benchmarks/results/cpu_kernels.md) fp32 dense takes over past
-# 32 rows (64 rows: 2.6 ms dense, 3.3 ms kernel). With AVX512_VNNI the kernel wins at every size
-# (one SmolLM2 layer's four matmuls, 2 threads, AMD EPYC: Q4_1 at 64 rows 3.3 ms against 5.8
-# dense fp32, at 512 rows 21 against 28; Q8_0 4.3 / 6.4 and 23 / 28), so prompts run on the
-# blocks too, with int8 activations as llama.cpp's prompts do. A bf16 matmul without native bf16
-# instructions is slower than the kernel even at 512 rows (107 vs 29 ms). With AMX, torch's bf16
-# matmul runs on tile units: all of SmolLM2's linears at 16 rows took 22 ms dense against 23
-# through the blocks (AVX512_VNNI), at 64 rows 29 against 86 (Intel Xeon, 2 threads), so there
-# the dense copy takes over past 16 rows.
+# 32 rows (64 rows: 2.6 ms dense, 3.3 ms kernel). With AVX512_VNNI the blocks run in panels of 16
+# rows (llmopt/kernels/cpu/gguf_panels.h) and win at every size: one SmolLM2 layer's four
+# matmuls, 2 threads, AMD EPYC, at 512 rows 6.8 ms (Q8_0) and 7.1 (Q4_1) against 26-28 for dense
+# fp32 and 107 for a bf16 matmul without AMX. So there prompts run on the blocks too, with int8
+# activations as llama.cpp's prompts do, and no dense copy is made. With AMX, torch's bf16 matmul
+# runs on tile units: all of SmolLM2's linears at 16 rows took 22 ms dense against 23 through the
+# row-layout blocks, at 64 rows 29 against 86 (Intel Xeon, 2 threads; panels not measured there),
+# so there the dense copy takes over past 16 rows.
 _FLAGS = cpu.cpu_flags().split()
-KERNEL_MAX_ROWS = {torch.float32: 512 if "avx512_vnni" in _FLAGS else 32,
-                   torch.bfloat16: 16 if "amx_bf16" in _FLAGS else 512}
-
+UNLIMITED = 1 << 30
+KERNEL_MAX_ROWS = {torch.float32: UNLIMITED if "avx512_vnni" in _FLAGS else 32,
+                   torch.bfloat16: 16 if "amx_bf16" in _FLAGS else UNLIMITED if "avx512_vnni" in _FLAGS else 512}
 
 class GGUFLinear(nn.Module):
     """y = x @ W^T + b with W a `GGUFBlockWeight`; `activations` picks the kernel's arithmetic

@@ -30,7 +30,7 @@ from torch import nn
 
 from llmopt.kernels import cpu
 from llmopt.layers.attention import AttentionMetadata
-from llmopt.layers.gguf_linear import KERNEL_MAX_ROWS, GGUFLinear
+from llmopt.layers.gguf_linear import KERNEL_MAX_ROWS, UNLIMITED, GGUFLinear
 
 LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
@@ -94,7 +94,7 @@ class CompiledLayers:
         self.windows = [0 if layer.self_attn.window is None else int(layer.self_attn.window) for layer in layers]
         none = torch.empty(0, dtype=dtype)  # (what a layer does not have: bias, min, blocks)
         self.no_tree = torch.empty(0, dtype=torch.int64)  # causal rows: no draft tree's mask
-        self.int8, self.max_rows = True, 1 << 30
+        self.int8, self.max_rows = True, UNLIMITED
         self.dense_rows = dense_kernel_max_rows(dtype)
         for layer in layers:
             self.norms += [layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach()]
@@ -103,9 +103,9 @@ class CompiledLayers:
                 if isinstance(lin, GGUFLinear):
                     b = lin.weight_blocks
                     self.int8, self.max_rows = lin.activations == "int8", KERNEL_MAX_ROWS[dtype]
-                    mn = b._no_min if b.m is None else b.m
-                    # the dense copy is what prompts (and decode batches above KERNEL_MAX_ROWS) multiply by
-                    self.tensors += [lin.dense_weight(dtype), b.qs, b.d, mn, bias]
+                    # the dense copy is what batches above KERNEL_MAX_ROWS multiply by, where there is a limit
+                    dense = lin.dense_weight(dtype) if self.max_rows < UNLIMITED else none
+                    self.tensors += [dense, *b.kernel_blocks(lin.activations), bias]
                     self.kinds.append(b.ggml_type)
                 else:
                     self.tensors += [lin.weight.detach(), none, none, none, bias]

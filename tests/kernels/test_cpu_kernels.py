@@ -239,6 +239,35 @@ def test_int8_activations_with_an_odd_number_of_blocks_per_row(kind, rows, cols)
 
 
 @needs_kernels
+@pytest.mark.parametrize("kind", GGUF_TYPES)
+@pytest.mark.parametrize("rows", [1, 3, 4, 9, 130])
+def test_panels_equal_the_row_layout(kind, rows):
+    """Where the CPU has AVX512_VNNI the blocks run repacked in panels of 16 rows (gguf_panels.h):
+    the same integers as the row layout, tiles of 4 rows of x and 2 panels with every remainder
+    (7 panels; 1, 3 or 9 rows), and a prompt's many rows."""
+    w, _ = gguf_weight(kind, rows=112, cols=544, seed=rows)
+    panels = w.panels()
+    if panels is None:
+        pytest.skip("no AVX512_VNNI in this build: the row layout is the only one")
+    qs, d, m = panels
+    assert qs.shape == (7, 17, 16, w.qs.shape[2]) and d.shape == (7, 17, 16)
+    assert torch.equal(d[2, 5], w.d[32:48, 5]) and (m.numel() == 0) == (kind != "Q4_1")
+    x = activations(rows, cols=544, seed=rows)
+    ext = cpu.load()
+    by_rows = ext.gguf_matmul(x, w.qs, w.d, w._no_min if w.m is None else w.m, w.ggml_type, True).double()
+    by_panels = ext.gguf_matmul(x, qs, d, m, w.ggml_type, True).double()
+    emulated = w.emulate_int8(x)
+    assert (by_panels - emulated).abs().max() <= 1e-6 * emulated.abs().max()
+    assert (by_panels - by_rows).abs().max() <= 1e-6 * emulated.abs().max()
+    with pytest.raises(ValueError, match="int8 activations only"):
+        ext.gguf_matmul(x, qs, d, m, w.ggml_type, False)
+    with pytest.raises(ValueError, match="panel d"):
+        ext.gguf_matmul(x, qs, d[:, :16].contiguous(), m, w.ggml_type, True)
+    assert GGUFBlockWeight("Q8_0", w.qs[:40].contiguous() if kind == "Q8_0" else torch.zeros(40, 17, 32, dtype=torch.uint8),
+                           torch.ones(40, 17).half()).panels() is None    # 40 rows: not whole panels
+
+
+@needs_kernels
 def test_bad_matmul_inputs_are_refused():
     w, _ = gguf_weight("Q8_0")
     with pytest.raises(ValueError, match="x has K"):

@@ -4,6 +4,7 @@
 namespace llmopt {
 torch::Tensor gguf_matmul(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& d,
                           const torch::Tensor& mn, int64_t type, bool int8_activations);
+bool gguf_panels_supported();
 std::vector<torch::Tensor> quantize_activations(const torch::Tensor& x);
 torch::Tensor dense_matmul(const torch::Tensor& x, const torch::Tensor& w);
 torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
@@ -21,7 +22,8 @@ void decode_layers(at::Tensor h, const at::Tensor& cos, const at::Tensor& ssin, 
 }  // namespace llmopt
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("gguf_matmul", &llmopt::gguf_matmul, "y = x @ W^T, W as GGUF Q8_0 / Q4_0 / Q4_1 blocks");
+  m.def("gguf_matmul", &llmopt::gguf_matmul, "y = x @ W^T, W as GGUF Q8_0 / Q4_0 / Q4_1 blocks (rows, or panels of 16 rows)");
+  m.def("gguf_panels_supported", &llmopt::gguf_panels_supported, "whether this build runs GGUF panels (AVX512_VNNI)");
   m.def("dense_matmul", &llmopt::dense_matmul, "y = x @ W^T for a few rows of x, W dense bf16 or fp32, summed in float32, returned in x's dtype");
   m.def("quantize_activations", &llmopt::quantize_activations, "x per 32 values to int8 (Q8_0 / Q8_1)");
   m.def("paged_attention", &llmopt::paged_attention, "paged attention over the block pool");

@@ -8,7 +8,8 @@ A GGUF tensor is rows of blocks; each block holds 32 weights and an fp16 scale d
 
 (in the 4-bit types a block's byte j holds weight j in its low nibble, weight j + 16 in its
 high one). `GGUFBlockWeight` keeps exactly these numbers, only split into arrays (quants,
-d, m), and `matmul` runs the C++ kernel (llmopt/kernels/cpu/gguf_matmul.cpp). With
+d, m), and `matmul` runs the C++ kernel (llmopt/kernels/cpu/gguf_matmul.cpp; with AVX512_VNNI
+on the same blocks regrouped by `panels` into 16 rows, gguf_panels.cpp). With
 `activations="int8"` (the default, llama.cpp's arithmetic) each row of x is first rounded per
 32 values to int8 with an fp16 scale, and block dot products are exact integer sums;
 `emulate_int8` computes the same thing in plain torch. `activations="float32"` multiplies
@@ -100,6 +101,25 @@ class GGUFBlockWeight:
         return sum(t.numel() * t.element_size() for t in (self.qs, self.d, self.m) if t is not None)
 
     # -- running ---------------------------------------------------------------------------------
+    def panels(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The same blocks regrouped into panels of 16 rows (gguf_panels.h: one vpdpbusd then
+        serves 16 rows): qs [N / 16, K / 32, 16, bytes], d and m [N / 16, K / 32, 16]. Q8_0 codes are
+        stored + 128 (unsigned, as vpdpbusd reads them); a Q4 block's 16 bytes are regrouped by
+        fours, each group's nibbles kept where they are. None where the kernel cannot run them
+        (no AVX512_VNNI in this build, or rows not a multiple of 16). Made once, on first use."""
+        if not hasattr(self, "_panels"):
+            ext = cpu.load()
+            self._panels = None
+            if ext is not None and ext.gguf_panels_supported() and self.out_features % 16 == 0:
+                p, nb, width = self.out_features // 16, self.in_features // BLOCK, self.qs.shape[2]
+                groups = self.qs.view(p, 16, nb, width // 4, 4).permute(0, 2, 3, 1, 4)   # [P, nb, group, row, 4]
+                qs = groups.reshape(p, nb, 16, width).contiguous()
+                if self.type_name == "Q8_0":
+                    qs ^= 0x80
+                per_row = (lambda t: t.view(p, 16, nb).transpose(1, 2).contiguous())
+                self._panels = (qs, per_row(self.d), self._no_min if self.m is None else per_row(self.m))
+        return self._panels
+
     def matmul(self, x: torch.Tensor, activations: str = "int8") -> torch.Tensor:
         """x [M, K] (float32 or bfloat16, CPU) -> x @ W^T [M, N] in x's dtype, by the C++ kernel."""
         if activations not in ACTIVATIONS:
@@ -107,8 +127,13 @@ class GGUFBlockWeight:
         ext = cpu.load()
         if ext is None:
             raise RuntimeError("the C++ CPU kernels are not available here (llmopt.kernels.cpu.available())")
-        return ext.gguf_matmul(x, self.qs, self.d, self._no_min if self.m is None else self.m,
-                               self.ggml_type, activations == "int8")
+        return ext.gguf_matmul(x, *self.kernel_blocks(activations), self.ggml_type, activations == "int8")
+
+    def kernel_blocks(self, activations: str = "int8") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(qs, d, m) as the kernel runs them fastest: the panels for int8 activations where this
+        CPU has them, else the rows (m empty for Q8_0 / Q4_0)."""
+        panels = self.panels() if activations == "int8" else None
+        return panels or (self.qs, self.d, self._no_min if self.m is None else self.m)
 
     def emulate_int8(self, x: torch.Tensor) -> torch.Tensor:
         """The int8 kernel's arithmetic in plain torch (float64 sums): rows of x rounded per 32

@@ -40,7 +40,7 @@ constexpr int64_t MULTI_ROW_MAX_BYTES = 8 << 20;
 // Every call quantizes its x before the threads split the rows, so at one row of x this serial
 // loop is part of each matmul's fixed cost: with AVX-512 a block is two vectors (the same IEEE
 // operations, so the same bytes as the scalar loop; a NaN is skipped by the max as by fmax).
-static void quantize_row_q8(const float* x, int64_t K, int8_t* q, float* d_out, float* s_out) {
+void quantize_row_q8(const float* x, int64_t K, int8_t* q, float* d_out, float* s_out) {
   for (int64_t b = 0; b < K / QK; ++b) {
     const float* xb = x + b * QK;
 #if defined(__AVX512F__)
@@ -229,8 +229,15 @@ static void run(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
   });
 }
 
+at::Tensor gguf_matmul_panels(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, const at::Tensor& mn,
+                              int64_t type);
+
 at::Tensor gguf_matmul(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
                           const at::Tensor& mn, int64_t type, bool int8_activations) {
+  if (qs.dim() == 4) {  // the blocks repacked in panels of 16 rows (gguf_panels.cpp)
+    TORCH_CHECK_VALUE(int8_activations, "GGUF panels run int8 activations only; float32 ones take the row layout");
+    return gguf_matmul_panels(x, qs, d, mn, type);
+  }
   RECORD_FUNCTION("llmopt::gguf_matmul", std::vector<c10::IValue>());  // a named row in torch.profiler
   check_weight(x, qs, d, mn, type);
   const int64_t M = x.size(0), N = qs.size(0);
