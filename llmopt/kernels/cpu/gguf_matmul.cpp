@@ -40,7 +40,8 @@ constexpr int64_t MULTI_ROW_MAX_BYTES = 8 << 20;
 // Every call quantizes its x before the threads split the rows, so at one row of x this serial
 // loop is part of each matmul's fixed cost: with AVX-512 a block is two vectors (the same IEEE
 // operations, so the same bytes as the scalar loop; a NaN is skipped by the max as by fmax).
-void quantize_row_q8(const float* x, int64_t K, int8_t* q, float* d_out, float* s_out) {
+// sum_out (optional): each block's sum of codes as an integer (s_out holds it scaled and rounded).
+void quantize_row_q8(const float* x, int64_t K, int8_t* q, float* d_out, float* s_out, int32_t* sum_out = nullptr) {
   for (int64_t b = 0; b < K / QK; ++b) {
     const float* xb = x + b * QK;
 #if defined(__AVX512F__)
@@ -54,8 +55,10 @@ void quantize_row_q8(const float* x, int64_t K, int8_t* q, float* d_out, float* 
     const __m512i v1 = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(x1, _mm512_set1_ps(id)), RN));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * QK), _mm512_cvtepi32_epi8(v0));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * QK + 16), _mm512_cvtepi32_epi8(v1));
+    const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(v0, v1));
     d_out[b] = round_to_fp16(d);
-    s_out[b] = round_to_fp16(d * float(_mm512_reduce_add_epi32(_mm512_add_epi32(v0, v1))));
+    s_out[b] = round_to_fp16(d * float(sum));
+    if (sum_out) sum_out[b] = sum;
 #else
     float amax = 0.0f;
     for (int j = 0; j < QK; ++j) amax = std::fmax(amax, std::fabs(xb[j]));
@@ -69,6 +72,7 @@ void quantize_row_q8(const float* x, int64_t K, int8_t* q, float* d_out, float* 
     }
     d_out[b] = round_to_fp16(d);
     s_out[b] = round_to_fp16(d * float(sum));
+    if (sum_out) sum_out[b] = sum;
 #endif
   }
 }

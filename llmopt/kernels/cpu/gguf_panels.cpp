@@ -19,7 +19,7 @@
 
 namespace llmopt {
 
-void quantize_row_q8(const float* x, int64_t K, int8_t* q, float* d_out, float* s_out);  // gguf_matmul.cpp
+void quantize_row_q8(const float* x, int64_t K, int8_t* q, float* d_out, float* s_out, int32_t* sum_out);  // gguf_matmul.cpp
 
 bool gguf_panels_supported() {
 #ifdef LLMOPT_VNNI512
@@ -56,12 +56,9 @@ void run(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, const a
   constexpr int32_t bias = vnni::code_bias(TYPE);
   at::parallel_for(0, M, 8, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
-      quantize_row_q8(xp + m * K, K, xq.data() + m * K, xd.data() + m * nb, xs.data() + m * nb);
-      for (int64_t b = 0; b < nb; ++b) {
-        int32_t sum = 0;
-        for (int j = 0; j < 32; ++j) sum += xq[m * K + b * 32 + j];
-        xc[m * nb + b] = -bias * sum;
-      }
+      int32_t* c = xc.data() + m * nb;  // the blocks' code sums, then -bias times them (unused for Q4_1)
+      quantize_row_q8(xp + m * K, K, xq.data() + m * K, xd.data() + m * nb, xs.data() + m * nb, c);
+      for (int64_t b = 0; bias != 0 && b < nb; ++b) c[b] *= -bias;
     }
   });
   const panels::XBlocks xb{xq.data(), xd.data(), xs.data(), xc.data(), K, nb};
