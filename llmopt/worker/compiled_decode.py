@@ -34,17 +34,25 @@ from llmopt.layers.gguf_linear import KERNEL_MAX_ROWS, UNLIMITED, GGUFLinear
 
 LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
-# Up to how many rows a dense linear runs the step's own matrix-vector kernel
-# (llmopt/kernels/cpu/dense_matmul.cpp) rather than torch's matmul. bfloat16: all of SmolLM2's
-# linears and its tied head, one after another as a step reads them (269 MB), took 9.9 ms through
-# the kernel at one row of x and 15.2 at eight, against 20.6 and 21.0 through torch's matmul, AMX
-# tiles and all (Intel Xeon, 2 threads; without AMX torch widens bf16 in software and is slower
-# still). From 16 rows torch's blocked GEMM wins, so the kernel takes up to 8. float32 stays on
-# torch's matmul at every size: its one-row path already streams the weights near the bandwidth,
-# and the same matmul as the eager path keeps the compiled step's float32 greedy tokens equal to
-# eager's (the tests hold them so).
+# How the step multiplies by a dense weight. bfloat16 on an AVX-512 CPU: the weights repacked
+# once into panels of 32 rows (llmopt/kernels/cpu/dense_panels.cpp), at any number of rows. All of
+# SmolLM2's linears and its tied head (269 MB), 2 threads on an AMD EPYC without AVX512_BF16 or
+# AMX: 10.6 ms at one row of x, 13.3-14.1 at 8, 21-23 at 16, 76 at 64, against 10.6, 17.0, 33 and
+# (torch) 330 for the row kernel below, and 18-19, 66, 102 and 330 for torch's bf16 matmul. The
+# panels are a second copy of the weights (the originals serve the eager prompt path).
+# Elsewhere bfloat16 takes dense_matmul.cpp's row kernel up to 8 rows (9.9 ms at one row and 15.2
+# at eight, against 20.6 and 21.0 through torch's matmul, AMX tiles and all, on an Intel Xeon; from
+# 16 rows torch's blocked GEMM wins there). float32 stays on torch's matmul at every size: its
+# one-row path already streams the weights near the bandwidth, and the same matmul as the eager
+# path keeps the compiled step's float32 greedy tokens equal to eager's (the tests hold them so).
 def dense_kernel_max_rows(dtype: torch.dtype) -> int:
     return 8 if dtype == torch.bfloat16 else 0
+
+
+def dense_weight(weight: torch.Tensor) -> torch.Tensor:
+    """What the step multiplies a dense linear by: bf16 panels where the kernel runs them, else W."""
+    panels = cpu.dense_panels(weight) if weight.dtype == torch.bfloat16 else None
+    return weight.detach() if panels is None else panels
 
 
 def why_not(model, kv_cache, device) -> str | None:
@@ -108,7 +116,7 @@ class CompiledLayers:
                     self.tensors += [dense, *b.kernel_blocks(lin.activations), bias]
                     self.kinds.append(b.ggml_type)
                 else:
-                    self.tensors += [lin.weight.detach(), none, none, none, bias]
+                    self.tensors += [dense_weight(lin.weight), none, none, none, bias]
                     self.kinds.append(0)
 
     def run(self, h: torch.Tensor, meta: AttentionMetadata) -> None:
@@ -133,6 +141,8 @@ class CompiledDecode:
         self.dtype = stack.embed_tokens.weight.dtype
         self.layers = CompiledLayers(stack.layers, stack.rotary_emb, kv_cache, self.dtype)
         self.dense_rows = self.layers.dense_rows
+        head = model.lm_head
+        self.head = dense_weight(head.weight) if type(head) is nn.Linear and head.bias is None else None
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -145,7 +155,6 @@ class CompiledDecode:
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The model's `compute_logits`, its dense head through the same kernel at a few rows:
         SmolLM2's tied head is 49,152 x 576, the largest single weight a step reads."""
-        head = self.model.lm_head
-        if type(head) is nn.Linear and head.bias is None and hidden.shape[0] <= self.dense_rows:
-            return cpu.load().dense_matmul(hidden.contiguous(), head.weight).float()
+        if self.head is not None and (self.head.dim() == 5 or hidden.shape[0] <= self.dense_rows):
+            return cpu.load().dense_matmul(hidden.contiguous(), self.head).float()
         return self.model.compute_logits(hidden)

@@ -298,6 +298,40 @@ def test_dense_matmul_equals_the_float64_product(w_dtype, x_dtype, rows, k):
     assert (got.double() - want).abs().max().item() <= tol
 
 
+needs_panels = pytest.mark.skipif(not cpu.available() or not cpu.load().dense_panels_supported(),
+                                  reason="bf16 weight panels need an AVX-512 build")
+
+
+@needs_panels
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 9, 17, 64])
+@pytest.mark.parametrize("k", [576, 34, 2])
+def test_dense_panels_equal_the_float64_product(rows, k):
+    """bf16 panels of 32 rows (dense_panels.cpp): rows of x in tiles of 8 and their tails, one row
+    with its split accumulators, K down to one pair of columns; the result rounded to bf16."""
+    g = torch.Generator().manual_seed(rows * 1000 + k)
+    w, x = torch.randn(96, k, generator=g).bfloat16(), torch.randn(rows, k, generator=g).bfloat16()
+    panels = cpu.dense_panels(w)
+    assert panels.shape == (3, k // 2, 2, 16, 2)
+    got = cpu.load().dense_matmul(x, panels)
+    want = x.double() @ w.double().T
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, 96)
+    assert (got.double() - want).abs().max().item() <= TOL[torch.bfloat16] * want.abs().max().item() + 1e-4
+    # rounded once, to nearest even: the float32 sum's bf16, which the row kernel also returns
+    assert (got == cpu.load().dense_matmul(x.float(), w).bfloat16()).float().mean() > 0.97
+
+
+@needs_panels
+def test_dense_panels_only_where_they_apply():
+    assert cpu.dense_panels(torch.randn(48, 64).bfloat16()) is None   # rows not a multiple of 32
+    assert cpu.dense_panels(torch.randn(32, 7).bfloat16()) is None    # an odd number of columns
+    assert cpu.dense_panels(torch.randn(32, 64)) is None              # float32 stays on torch's matmul
+    panels = cpu.dense_panels(torch.randn(32, 64).bfloat16())
+    with pytest.raises(ValueError, match="x must be bfloat16 .M, 64."):
+        cpu.load().dense_matmul(torch.randn(1, 64), panels)
+    with pytest.raises(ValueError, match="panel weights must be contiguous bfloat16"):
+        cpu.load().dense_matmul(torch.randn(1, 64).bfloat16(), panels.half())
+
+
 @needs_kernels
 def test_bad_dense_matmul_inputs_are_refused():
     with pytest.raises(ValueError, match="x must be .M, K. and w .N, K."):

@@ -23,7 +23,7 @@ import sys
 import warnings
 from pathlib import Path
 
-SOURCES = ("bindings.cpp", "dense_matmul.cpp", "gguf_matmul.cpp", "gguf_panels.cpp", "paged_attention.cpp", "decode_step.cpp")
+SOURCES = ("bindings.cpp", "dense_matmul.cpp", "dense_panels.cpp", "gguf_matmul.cpp", "gguf_panels.cpp", "paged_attention.cpp", "decode_step.cpp")
 HEADERS = ("common.h", "gguf_rows.h", "gguf_vnni.h", "gguf_panels.h", "paged_attention_avx512.h")
 BASE_CFLAGS = ("-O3", "-fopenmp", "-std=c++17")
 # The host's own vector instructions, unless PyTorch is pinned to an ISA (ATEN_CPU_CAPABILITY, as
@@ -123,4 +123,21 @@ def why_unavailable() -> str | None:
     return _failed
 
 
-__all__ = ["available", "load", "cache_dir", "cpu_flags", "why_unavailable"]
+def dense_panels(weight):
+    """A bfloat16 weight [N, K] repacked for dense_panels.cpp: panels of 32 rows, pair by pair of
+    columns, [N / 32, K / 2, 2, 16, 2] (element [g, j, v, r, t] = W[32 g + 16 v + r, 2 j + t]).
+    None where that kernel does not run it: not bf16, N not a multiple of 32, K odd, or a build
+    without AVX-512 (then dense_matmul.cpp's row kernel takes W as it is)."""
+    n, k = weight.shape
+    if weight.dtype != _torch().bfloat16 or n % 32 or k % 2 or not available() or not load().dense_panels_supported():
+        return None
+    return weight.detach().reshape(n // 32, 2, 16, k // 2, 2).permute(0, 3, 1, 2, 4).contiguous()
+
+
+def _torch():
+    import torch
+
+    return torch
+
+
+__all__ = ["available", "load", "cache_dir", "cpu_flags", "dense_panels", "why_unavailable"]

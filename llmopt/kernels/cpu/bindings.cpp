@@ -7,6 +7,7 @@ torch::Tensor gguf_matmul(const torch::Tensor& x, const torch::Tensor& qs, const
 bool gguf_panels_supported();
 std::vector<torch::Tensor> quantize_activations(const torch::Tensor& x);
 torch::Tensor dense_matmul(const torch::Tensor& x, const torch::Tensor& w);
+bool dense_panels_supported();
 torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
                               const torch::Tensor& block_table, const torch::Tensor& query_start_loc,
                               const torch::Tensor& seq_lens, double scale, int64_t window,
@@ -24,7 +25,8 @@ void decode_layers(at::Tensor h, const at::Tensor& cos, const at::Tensor& ssin, 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gguf_matmul", &llmopt::gguf_matmul, "y = x @ W^T, W as GGUF Q8_0 / Q4_0 / Q4_1 blocks (rows, or panels of 16 rows)");
   m.def("gguf_panels_supported", &llmopt::gguf_panels_supported, "whether this build runs GGUF panels (AVX512_VNNI)");
-  m.def("dense_matmul", &llmopt::dense_matmul, "y = x @ W^T for a few rows of x, W dense bf16 or fp32, summed in float32, returned in x's dtype");
+  m.def("dense_matmul", &llmopt::dense_matmul, "y = x @ W^T, W dense bf16 or fp32 [N, K] (a few rows of x) or bf16 panels [N / 32, K / 2, 2, 16, 2] (any), summed in float32, returned in x's dtype");
+  m.def("dense_panels_supported", &llmopt::dense_panels_supported, "whether this build runs bf16 weight panels (AVX-512)");
   m.def("quantize_activations", &llmopt::quantize_activations, "x per 32 values to int8 (Q8_0 / Q8_1)");
   m.def("paged_attention", &llmopt::paged_attention, "paged attention over the block pool");
   m.def("decode_layers", &llmopt::decode_layers, "every decoder layer of a decode (or verification) step, in one call");

@@ -25,7 +25,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const 
 
 namespace {
 
-// One linear layer: kind 0 = a dense weight w [N, K], multiplied by dense_matmul.cpp's kernel
+// One linear layer: kind 0 = a dense weight, either bf16 panels [N / 32, K / 2, 2, 16, 2]
+// (dense_panels.cpp, any number of rows) or w [N, K], multiplied by dense_matmul.cpp's kernel
 // for up to dense_rows rows of x and by torch's matmul above that; else the GGUF block type
 // (2, 3, 8) of blocks (qs, d, mn), multiplied with int8 (llama.cpp's) or float activations for
 // up to max_rows rows of x, and by their dense copy w above that (as llmopt.layers.gguf_linear does).
@@ -37,7 +38,7 @@ struct Linear {
 };
 
 at::Tensor apply(const Linear& l, const at::Tensor& x) {
-  if (l.kind == 0 && x.size(0) <= l.dense_rows) {
+  if (l.kind == 0 && (l.w.dim() == 5 || x.size(0) <= l.dense_rows)) {
     at::Tensor y = dense_matmul(x, l.w);
     return l.bias.defined() ? y + l.bias : y;
   }

@@ -176,7 +176,10 @@ void run(const W* w, const typename A::X* x, int64_t M, int64_t N, int64_t K, Y*
 
 }  // namespace
 
+at::Tensor dense_matmul_panels(const at::Tensor& x, const at::Tensor& w);  // dense_panels.cpp
+
 at::Tensor dense_matmul(const at::Tensor& x, const at::Tensor& w) {
+  if (w.dim() == 5) return dense_matmul_panels(x, w);  // bf16 panels of 32 rows
   RECORD_FUNCTION("llmopt::dense_matmul", std::vector<c10::IValue>());  // a named row in torch.profiler
   TORCH_CHECK_VALUE(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1),
                     "x must be [M, K] and w [N, K], got ", x.sizes(), " and ", w.sizes());
