@@ -93,7 +93,7 @@ class LLMEngine:
                                    config.scheduling_policy, max_in_flight=config.pipeline_parallel_size)
         self.runner = (ModelRunner if self.executor is None else self.executor.make_runner)(
             self.model, self.kv_cache, self.block_manager, self.device, self.eos_token_ids)
-        # vLLM's enforce_eager: False runs decode steps compiled (one C++ call on the CPU) where it can
+        # vLLM's enforce_eager: False runs the steps compiled (one C++ call on the CPU) where it can
         why = ("enforce_eager=True" if config.enforce_eager else "tensor/pipeline parallel ranks" if self.executor
                else self.runner.enable_compiled_decode())
         self.decode_path = "compiled" if why is None else f"eager ({why})"

@@ -14,13 +14,15 @@ the first token), while this extension is built once per machine (about a minute
 disk) and takes any shape. `enforce_eager=True` (vLLM's meaning) keeps the plain path, the
 reference this one is tested against: the same greedy tokens in float32.
 
-It runs the steps where every sequence brings one new token, and speculative verification
-steps (a sequence's last token plus its k drafts, a chain or an EAGLE-2 tree under its tree
-mask: the step that must cost about one decode step for speculation to pay), on the CPU, for
-Llama-family models whose linears are dense or GGUF blocks and whose KV pool is in the model's
-dtype; anything else (prompts, FP8 pools, other quantized layers, tensor or pipeline
-parallelism) runs eagerly, and `why_not` says which. A draft model or an EAGLE head drafts
-through the same call (`CompiledLayers`), so a speculative step has no eager stretch left.
+It runs every step on the CPU (decodes; prompts and their chunks, where the same loops save the
+eager path's elementwise passes over the prompt's rows: a 512-token prompt of SmolLM2's Q8_0 file
+took 0.417 s eagerly and 0.374 s here; mixed steps; speculative verification steps, a sequence's
+last token plus its k drafts, a chain or an EAGLE-2 tree under its tree mask: the step that must
+cost about one decode step for speculation to pay), for Llama-family models whose linears are
+dense or GGUF blocks and whose KV pool is in the model's dtype; anything else (FP8 pools, other
+quantized layers, draft trees too large for the kernels' masks, tensor or pipeline parallelism)
+runs eagerly, and `why_not` says which. A draft model or an EAGLE head drafts through the same
+call (`CompiledLayers`), so a speculative step has no eager stretch left.
 """
 
 from __future__ import annotations

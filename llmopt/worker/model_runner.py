@@ -40,8 +40,8 @@ class ModelRunner:
         self.compiled = None  # the decode step in one call (compiled_decode.py), when enabled
 
     def enable_compiled_decode(self) -> str | None:
-        """Run decode and verification steps through the compiled step where it can run this
-        model and pool; returns why not (None when enabled). Prompts and chunks stay eager."""
+        """Run steps (prompts, decodes, verification) through the compiled step where it can run
+        this model and pool; returns why not (None when enabled)."""
         from llmopt.worker.compiled_decode import CompiledDecode, why_not
 
         reason = why_not(self.model, self.kv_cache, self.device)
@@ -91,15 +91,12 @@ class ModelRunner:
         return out
 
     def compiled_runs(self, scheduled, meta: AttentionMetadata) -> bool:
-        """Whether this step goes through the compiled step: a decode step, or a verification
-        step (each sequence's last token and its drafts, a draft tree's mask in the kernels' form),
-        and the compiled capture is of this very model (not a swapped-in one)."""
+        """Whether this step goes through the compiled step: any step (decode, verification,
+        prompts and their chunks, mixed) whose draft trees, if any, fit the kernels' masks, when
+        the compiled capture is of this very model (not a swapped-in one)."""
         if self.compiled is None or self.compiled.model is not self.model:
             return False
-        if meta.tree_masks is not None and meta.tree_bits is None:
-            return False  # a tree too large for the kernel's masks
-        return meta.is_decode or all(
-            n == 1 + len(seq.spec_token_ids) and seq.num_computed_tokens + 1 == seq.num_tokens for seq, n in scheduled)
+        return meta.tree_masks is None or meta.tree_bits is not None
 
     @staticmethod
     def sampling_rows(scheduled) -> tuple[list[Sequence], list[int]]:

@@ -1,7 +1,7 @@
-"""The compiled decode step (one C++ call for every layer) gives the eager path's tokens.
+"""The compiled step (one C++ call for every layer) gives the eager path's tokens.
 
-`enforce_eager=True` is the reference. Both run the same engine; only the decode steps'
-forward differs, so in float32 greedy tokens must be equal, with chunked prefill, prefix
+`enforce_eager=True` is the reference. Both run the same engine; only the steps' forward
+differs (prompts, their chunks and decodes alike), so in float32 greedy tokens must be equal, with chunked prefill, prefix
 caching and preemption exercised on the way, on tiny and on SmolLM2 (dense and with the GGUF
 file's blocks kept).
 """
@@ -49,13 +49,13 @@ def test_tiny_compiled_equals_eager(knobs):
 
 
 @needs_kernels
-def test_decode_steps_really_take_the_compiled_path(monkeypatch):
+def test_every_step_really_takes_the_compiled_path(monkeypatch):
     llm = LLM(model="tiny", device="cpu", dtype="float32")
     calls = []
     real = llm.llm_engine.runner.compiled.forward
     monkeypatch.setattr(llm.llm_engine.runner.compiled, "forward", lambda *a: calls.append(1) or real(*a))
     tokens(llm, PROMPTS[:2], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
-    assert len(calls) == 4  # the prompts' step is eager; the 4 decode steps after it are compiled
+    assert len(calls) == 5  # the prompts' step and the 4 decode steps after it
 
 
 @needs_kernels
@@ -124,7 +124,7 @@ def test_compiled_step_reads_the_pool_it_writes():
 def test_bfloat16_compiled_step_stays_within_bfloat16_of_eager():
     """In bfloat16 the compiled step multiplies by its own matrix-vector kernel (summed in another
     order than torch's matmul), so tokens may part where two logits are within a rounding of each
-    other; what must hold is that every decode step's hidden states and logits are the eager
+    other; what must hold is that every step's hidden states and logits are the eager
     path's within bfloat16's precision, recomputed eagerly on the same cache at every step."""
     import torch
 
@@ -145,5 +145,5 @@ def test_bfloat16_compiled_step_stays_within_bfloat16_of_eager():
 
     real, compiled.forward = compiled.forward, both
     tokens(llm, PROMPTS[:3], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
-    assert len(gaps) == 7
+    assert len(gaps) == 8  # the prompts' step and 7 decode steps
     assert max(float(h) for h, _ in gaps) < 0.03 and max(float(lg) for _, lg in gaps) < 0.03
