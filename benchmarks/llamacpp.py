@@ -13,7 +13,8 @@ AVX-512 only where present; AMX off: its AMX path crashes on this course's CPU) 
 Both engines load the same file; llmopt keeps its blocks quantized (quantization="gguf": its C++
 block kernels, llmopt/kernels/cpu/gguf_matmul.cpp, and the compiled decode step) with `--dtype`
 activations and KV cache (default float32, the engine's CPU default: without native bfloat16
-instructions, an AVX2 CPU widens every bf16 value first). Per file, interleaved `--repeats` times:
+instructions, an AVX2 CPU widens every bf16 value first); `--kv-cache-dtype bfloat16` keeps the
+KV cache in 16 bits a value, as llama.cpp keeps its own (float16) by default. Per file, interleaved `--repeats` times:
 
 - greedy agreement: the first 32 tokens of 8 prompts, as text (llama-simple vs LLM.generate), the
   characters the two texts share from the start, summed. One prompt says little: llmopt rounds
@@ -133,10 +134,10 @@ def llamacpp_batched(path: str, threads: int, seqs: int) -> float:
 
 
 # -- llmopt ---------------------------------------------------------------------------------------------
-def llmopt_engine(path: str, seqs: int = 1, dtype: str = "float32"):
+def llmopt_engine(path: str, seqs: int = 1, dtype: str = "float32", kv_cache_dtype: str = "auto"):
     from llmopt import LLM
 
-    return LLM(path, dtype=dtype, quantization="gguf", max_num_seqs=max(seqs, 1),
+    return LLM(path, dtype=dtype, quantization="gguf", max_num_seqs=max(seqs, 1), kv_cache_dtype=kv_cache_dtype,
                enable_prefix_caching=False, num_kv_blocks=max(seqs, 1) * 20 + 40)
 
 
@@ -196,7 +197,9 @@ def main() -> int:
     p.add_argument("--greedy-tokens", type=int, default=32)
     p.add_argument("--files", nargs="+", default=["Q4_1", "Q4_0", "Q8_0"], help="which GGUF files")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                   help="llmopt's activations and KV cache")
+                   help="llmopt's activations (and KV cache, unless --kv-cache-dtype)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16"],
+                   help="llmopt's KV cache: auto (--dtype) or bfloat16 (16 bits a value, as llama.cpp's f16 default)")
     p.add_argument("--out", default=None)
     p.add_argument("--json", default=None)
     args = p.parse_args()
@@ -209,8 +212,9 @@ def main() -> int:
     args.load_before = os.getloadavg()[0]  # before either engine's threads count in it
     results = []
     for label, path in models(args.files):
-        row = {"model": label, "file": Path(path).name, "threads": args.threads, "llmopt_dtype": args.dtype}
-        llm = llmopt_engine(path, max(args.seqs), args.dtype)
+        row = {"model": label, "file": Path(path).name, "threads": args.threads, "llmopt_dtype": args.dtype,
+               "llmopt_kv_cache_dtype": kv_name(args)}
+        llm = llmopt_engine(path, max(args.seqs), args.dtype, args.kv_cache_dtype)
         a = [llamacpp_greedy(path, args.threads, args.greedy_tokens, p) for p in PROMPTS]
         b = llmopt_greedy(llm, args.greedy_tokens)
         same = [_common_prefix(x.strip(), y.strip()) for x, y in zip(a, b)]
@@ -251,11 +255,16 @@ def _common_prefix(a: str, b: str) -> int:
     return n
 
 
+def kv_name(args) -> str:
+    return args.dtype if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
+
+
 def render(results: list[dict], args) -> str:
     from llmopt.bench.common import cpu_name
 
     lines = [f"`python benchmarks/llamacpp.py {' '.join(sys.argv[1:])}`: SmolLM2-135M-Instruct, "
-             f"{args.threads} thread(s) each, llmopt in {args.dtype}, median of {args.repeats} interleaved runs; "
+             f"{args.threads} thread(s) each, llmopt in {args.dtype} with a {kv_name(args)} KV cache "
+             f"(llama.cpp's: float16), median of {args.repeats} interleaved runs; "
              f"{cpu_name()} "
              f"({os.cpu_count()} cores), 1-minute load average {args.load_before:.2f} before the run and "
              f"{os.getloadavg()[0]:.2f} at its end (both engines' own threads included).",

@@ -39,6 +39,8 @@ def configurations() -> list[tuple[str, dict]]:
         ("float32 dense, compiled", dict(model=smollm2, dtype="float32")),
         ("bfloat16 dense, compiled", dict(model=smollm2, dtype="bfloat16")),
         ("GGUF Q8_0 blocks, float32, compiled", dict(model=q8_0, dtype="float32", quantization="gguf")),
+        ("GGUF Q8_0 blocks, float32, bfloat16 KV, compiled",
+         dict(model=q8_0, dtype="float32", quantization="gguf", kv_cache_dtype="bfloat16")),
         ("GGUF Q4_1 blocks, float32, compiled", dict(model=q4_1, dtype="float32", quantization="gguf")),
     ]
 

@@ -14,7 +14,7 @@ import torch
 
 DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
           "float16": torch.float16, "half": torch.float16}
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
 QUANTIZATION = (None, "fp8", "int8", "gguf")
 SPEC_METHODS = ("draft_model", "ngram", "eagle", "layer_skip")
 SCHEDULING_POLICIES = ("fcfs", "priority", "lpm")
@@ -98,10 +98,10 @@ class EngineConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
                              f"got {self.kv_cache_dtype!r}")
-        if self.kv_cache_dtype != "auto" and not hasattr(torch, "float8_e4m3fn"):
+        if self.kv_cache_dtype.startswith("fp8") and not hasattr(torch, "float8_e4m3fn"):
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} needs torch's float8 dtypes "
-                             f"(torch >= 2.1; this is {torch.__version__}); allowed here: 'auto'")
-        if self.calculate_kv_scales and self.kv_cache_dtype == "auto":
+                             f"(torch >= 2.1; this is {torch.__version__}); allowed here: 'auto', 'bfloat16'")
+        if self.calculate_kv_scales and not self.kv_cache_dtype.startswith("fp8"):
             raise ValueError("calculate_kv_scales=True calibrates the scales of an FP8 KV cache; "
                              "set kv_cache_dtype='fp8' (or 'fp8_e5m2') too")
         if self.quantization not in QUANTIZATION:

@@ -295,11 +295,12 @@ def _torch_plan(meta: AttentionMetadata, block_size: int, num_kv_heads: int, dty
 
 
 def _read(pool: torch.Tensor, index: torch.Tensor, scale, dtype, shape=None) -> torch.Tensor:
-    """pool[index] along dim 0 (viewed as `shape`), in the model's dtype: as stored, or fp8 * scale.
+    """pool[index] along dim 0 (viewed as `shape`), in the model's dtype: as stored (a bfloat16
+    pool of a float32 model widened, exactly), or fp8 * scale.
     A scale per KV head [Hkv, 1] (or per head and channel [Hkv, D]) broadcasts over [..., Hkv, D],
     and over a decode group's [B, Hkv, L, D] as [Hkv, 1, 1 or D]."""
     if pool.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
-        raw = pool.index_select(0, index)
+        raw = pool.index_select(0, index).to(dtype)
         return raw if shape is None else raw.view(shape)
     # gather the bytes (every device gathers uint8; not every one gathers float8), then widen
     raw = pool.view(torch.uint8).index_select(0, index).view(pool.dtype)

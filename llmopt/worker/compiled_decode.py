@@ -19,7 +19,7 @@ eager path's elementwise passes over the prompt's rows: a 512-token prompt of Sm
 took 0.417 s eagerly and 0.374 s here; mixed steps; speculative verification steps, a sequence's
 last token plus its k drafts, a chain or an EAGLE-2 tree under its tree mask: the step that must
 cost about one decode step for speculation to pay), for Llama-family models whose linears are
-dense or GGUF blocks and whose KV pool is in the model's dtype; anything else (FP8 pools, other
+dense or GGUF blocks and whose KV pool is in the model's dtype or bfloat16; anything else (FP8 pools, other
 quantized layers, draft trees too large for the kernels' masks, tensor or pipeline parallelism)
 runs eagerly, and `why_not` says which. A draft model or an EAGLE head drafts through the same
 call (`CompiledLayers`), so a speculative step has no eager stretch left.
@@ -70,8 +70,8 @@ def why_not_layers(layers, dtype, kv_cache, device) -> str | None:
         return "the compiled decode step is for the CPU (CUDA would capture a graph)"
     if dtype not in (torch.float32, torch.bfloat16):
         return f"dtype {dtype} (it runs float32 and bfloat16)"
-    if getattr(kv_cache, "layout", None) != "paged" or kv_cache.cache_dtype != dtype:
-        return "the KV pool is not a paged pool in the model's dtype (FP8 pools decode eagerly)"
+    if getattr(kv_cache, "layout", None) != "paged" or kv_cache.cache_dtype not in (dtype, torch.bfloat16):
+        return "the KV pool is not a paged pool in the model's dtype or bfloat16 (FP8 pools decode eagerly)"
     if getattr(kv_cache, "rotation", None) is not None:
         return "the KV pool is rotated (PagedKVCache.rotate); the compiled step turns nothing"
     for layer in layers:

@@ -138,11 +138,15 @@ def kv_cache_torch_dtype(kv_cache_dtype: str | torch.dtype, model_dtype: torch.d
                          "float32/float16/bfloat16; put FP8 in the cache with kv_cache_dtype='fp8'")
     if kv_cache_dtype == "auto":
         return model_dtype
+    # "bfloat16": half the bytes of a float32 model's KV (llama.cpp keeps its KV in 16 bits by
+    # default); attention reads the rows and widens them to float32, exactly (bf16 is float32's top half)
+    if kv_cache_dtype in ("bfloat16", torch.bfloat16):
+        return torch.bfloat16
     if isinstance(kv_cache_dtype, torch.dtype) and (is_fp8(kv_cache_dtype) or kv_cache_dtype == model_dtype):
         return kv_cache_dtype
     if isinstance(kv_cache_dtype, str) and kv_cache_dtype in KV_CACHE_FP8_DTYPES:
         return KV_CACHE_FP8_DTYPES[kv_cache_dtype]
-    raise ValueError(f"kv_cache_dtype must be 'auto', {', '.join(map(repr, KV_CACHE_FP8_DTYPES))}, "
+    raise ValueError(f"kv_cache_dtype must be 'auto', 'bfloat16', {', '.join(map(repr, KV_CACHE_FP8_DTYPES))}, "
                      f"got {kv_cache_dtype!r}")
 
 
@@ -179,7 +183,9 @@ class PagedKVCache(KVCache):
         # offset no longer eats FP8's relative precision.
         self.k_shift: list[torch.Tensor] | None = None
         # the Triton kernels cover the head sizes real models use; anything else stays on torch
-        self.use_triton = torch.device(device).type == "cuda" and head_dim in (16, 32, 64, 128)
+        # (and pools in the model's dtype or FP8: a float32 model's bfloat16 pool takes torch there)
+        self.use_triton = (torch.device(device).type == "cuda" and head_dim in (16, 32, 64, 128)
+                           and (self.cache_dtype == dtype or self.is_fp8))
         self.use_cpu_kernel = True  # on the CPU, the C++ kernel where it builds (False: the torch path)
 
     @property

@@ -24,9 +24,9 @@ class MLAPagedKVCache(KVCache):
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, mla: MLAConfig,
                  dtype: torch.dtype = torch.float32, device="cpu", kv_cache_dtype="auto"):
-        if kv_cache_dtype not in ("auto", dtype):
-            raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r}: an FP8 latent cache is not implemented "
-                             "for MLA models; allowed: 'auto'")
+        if kv_cache_dtype not in ("auto", dtype) and not (kv_cache_dtype == "bfloat16" and dtype == torch.bfloat16):
+            raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r}: the latent cache of an MLA model is kept in "
+                             "the model's dtype (no FP8 or narrower latent cache here); allowed: 'auto'")
         self.dtype = self.cache_dtype = dtype
         self.width = mla.kv_lora_rank + mla.qk_rope_head_dim
         # empty, not zeros: a slot is written before anything reads it (see PagedKVCache)

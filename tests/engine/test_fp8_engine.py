@@ -230,10 +230,11 @@ def test_bad_checkpoint_scales_are_refused(checkpoint_with_kv_scales):
 # ---- bad input ------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(kv_cache_dtype="fp16"), "kv_cache_dtype must be one of auto, fp8, fp8_e4m3, fp8_e5m2"),
+    (dict(kv_cache_dtype="fp16"), "kv_cache_dtype must be one of auto, bfloat16, fp8, fp8_e4m3, fp8_e5m2"),
     (dict(kv_cache_dtype="fp8_e4m3fnuz"), "kv_cache_dtype must be one of"),
     (dict(kv_cache_dtype=None), "kv_cache_dtype must be one of"),
     (dict(calculate_kv_scales=True), "calculate_kv_scales=True calibrates the scales of an FP8 KV cache"),
+    (dict(kv_cache_dtype="bfloat16", calculate_kv_scales=True), "calculate_kv_scales=True calibrates"),
 ])
 def test_bad_kv_cache_arguments_are_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -245,7 +246,7 @@ def test_bad_kv_cache_types_and_scales_are_refused():
         EngineConfig(kv_cache_dtype="fp8", calculate_kv_scales="yes")
     with pytest.raises(ValueError, match="the model's dtype cannot be torch.float8_e4m3fn"):
         PagedKVCache(1, 4, 8, 1, 16, dtype=torch.float8_e4m3fn)
-    with pytest.raises(ValueError, match="kv_cache_dtype must be 'auto', 'fp8'"):
+    with pytest.raises(ValueError, match="kv_cache_dtype must be 'auto', 'bfloat16', 'fp8'"):
         kv_cache_torch_dtype("int8", torch.float32)
     with pytest.raises(ValueError, match="kv_cache_dtype must be"):
         kv_cache_torch_dtype(torch.float16, torch.float32)

@@ -32,6 +32,7 @@ def tokens(llm, prompts=PROMPTS, params=GREEDY):
     {"max_num_batched_tokens": 24},                        # prompts in chunks, decodes beside them
     {"num_kv_blocks": 12, "max_num_seqs": 6},              # too few blocks: preemption and recompute
     {"block_size": 8, "enable_prefix_caching": True},      # shared prefixes served from the cache
+    {"kv_cache_dtype": "bfloat16"},                         # a float32 model's KV in 16 bits
 ])
 def test_tiny_compiled_equals_eager(knobs):
     settings = dict(model="tiny", device="cpu", dtype="float32", seed=0, **knobs)

@@ -13,7 +13,10 @@
 #include <ATen/Parallel.h>
 
 #include <cmath>
+#include <cstring>
 #include <vector>
+
+#include "common.h"
 
 namespace llmopt {
 at::Tensor gguf_matmul(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, const at::Tensor& mn,
@@ -94,9 +97,18 @@ void rope(T* x, const T* cos, const T* ssin, int64_t tokens, int64_t heads, int6
     }
 }
 
+// The new tokens' keys or values into their pool slots: as they are, or a float32 model's rounded
+// to a bfloat16 pool (to nearest even, as the eager path's .to(bfloat16) rounds them).
 template <typename T>
-void write_slots(const T* src, int64_t stride, T* pool, const int64_t* slots, int64_t tokens, int64_t width) {
-  for (int64_t t = 0; t < tokens; ++t) std::memcpy(pool + slots[t] * width, src + t * stride, width * sizeof(T));
+void write_slots(const T* src, int64_t stride, at::Tensor& pool, const int64_t* slots, int64_t tokens, int64_t width) {
+  if (pool.scalar_type() == c10::CppTypeToScalarType<T>::value) {
+    T* dst = pool.data_ptr<T>();
+    for (int64_t t = 0; t < tokens; ++t) std::memcpy(dst + slots[t] * width, src + t * stride, width * sizeof(T));
+    return;
+  }
+  uint16_t* dst = reinterpret_cast<uint16_t*>(pool.data_ptr<at::BFloat16>());
+  for (int64_t t = 0; t < tokens; ++t)
+    for (int64_t j = 0; j < width; ++j) dst[slots[t] * width + j] = float_to_bf16(float(src[t * stride + j]));
 }
 
 template <typename T>
@@ -123,8 +135,9 @@ void run_layers(at::Tensor& h, const at::Tensor& cos, const at::Tensor& ssin, co
     const int64_t stride = q_size + 2 * kv_size;
     rope<T>(p, cos.data_ptr<T>(), ssin.data_ptr<T>(), T_, Hq, D, stride);
     rope<T>(p + q_size, cos.data_ptr<T>(), ssin.data_ptr<T>(), T_, Hkv, D, stride);
-    write_slots<T>(p + q_size, stride, k_pools[l].data_ptr<T>(), slots.data_ptr<int64_t>(), T_, kv_size);
-    write_slots<T>(p + q_size + kv_size, stride, v_pools[l].data_ptr<T>(), slots.data_ptr<int64_t>(), T_, kv_size);
+    at::Tensor kp = k_pools[l], vp = v_pools[l];
+    write_slots<T>(p + q_size, stride, kp, slots.data_ptr<int64_t>(), T_, kv_size);
+    write_slots<T>(p + q_size + kv_size, stride, vp, slots.data_ptr<int64_t>(), T_, kv_size);
     at::Tensor q = qkv.narrow(1, 0, q_size).contiguous().view({T_, Hq, D});
     at::Tensor attn = paged_attention(q, k_pools[l], v_pools[l], block_table, qsl, seq_lens, scale, windows[l],
                                       k_scales[l], v_scales[l], tree_bits);
@@ -171,8 +184,10 @@ void decode_layers(at::Tensor h, const at::Tensor& cos, const at::Tensor& ssin, 
     linears.push_back({linear_kinds[i], t[0], t[1], t[2], t[3], t[4].numel() ? t[4] : at::Tensor(), int8_activations,
                        kernel_max_rows, dense_rows});
   }
-  for (const auto& p : k_pools)
-    TORCH_CHECK_VALUE(p.scalar_type() == h.scalar_type() && p.is_contiguous(), "pools must be in the model's dtype");
+  for (const auto* pools : {&k_pools, &v_pools})
+    for (const auto& p : *pools)
+      TORCH_CHECK_VALUE((p.scalar_type() == h.scalar_type() || p.scalar_type() == at::kBFloat16) && p.is_contiguous(),
+                        "pools must be contiguous, in the model's dtype or bfloat16");
   at::Tensor hh = h;
   if (h.scalar_type() == at::kFloat)
     run_layers<float>(hh, cos, ssin, norms, linears, k_pools, v_pools, k_scales, v_scales, windows, slots,
