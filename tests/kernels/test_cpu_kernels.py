@@ -96,6 +96,19 @@ def test_one_long_context_sliced_across_threads_equals_reference(window):
     check_attention(paged_batch([3000, 5], [3, 1], num_kv_heads=1, group=1, seed=4), window)
 
 
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size, group, head_dim", [(16, 3, 64), (32, 8, 32), (8, 1, 128)])
+@pytest.mark.parametrize("window", [None, 45])
+def test_long_prompts_equal_reference(block_size, group, head_dim, dtype, window):
+    # a 300-token prompt and a 250-token chunk after 57 cached tokens: many query tiles, 8 to 128
+    # rows an item, tiles across block edges; then 20 queries after 600 keys, sliced across threads
+    check_attention(paged_batch([300, 307], [300, 250], group=group, head_dim=head_dim, block_size=block_size,
+                                dtype=dtype, seed=50 + group), window)
+    check_attention(paged_batch([620], [20], num_kv_heads=1, group=group, head_dim=head_dim, block_size=block_size,
+                                dtype=dtype, seed=60 + group), window)
+
+
 def random_tree_bits(n: int, g: torch.Generator) -> list[int]:
     """A random draft tree of n - 1 nodes (parents before children) as per-row masks."""
     return tree_bits([int(torch.randint(-1, i, (1,), generator=g)) for i in range(n - 1)])
