@@ -96,6 +96,19 @@ def test_one_long_context_sliced_across_threads_equals_reference(window):
     check_attention(paged_batch([3000, 5], [3, 1], num_kv_heads=1, group=1, seed=4), window)
 
 
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size, group, head_dim", [(16, 3, 64), (32, 8, 32), (8, 1, 128)])
+@pytest.mark.parametrize("window", [None, 45])
+def test_long_prompts_equal_reference(block_size, group, head_dim, dtype, window):
+    # a 300-token prompt and a 250-token chunk after 57 cached tokens: many query tiles, 8 to 128
+    # rows an item, tiles across block edges; then 20 queries after 600 keys, sliced across threads
+    check_attention(paged_batch([300, 307], [300, 250], group=group, head_dim=head_dim, block_size=block_size,
+                                dtype=dtype, seed=50 + group), window)
+    check_attention(paged_batch([620], [20], num_kv_heads=1, group=group, head_dim=head_dim, block_size=block_size,
+                                dtype=dtype, seed=60 + group), window)
+
+
 def random_tree_bits(n: int, g: torch.Generator) -> list[int]:
     """A random draft tree of n - 1 nodes (parents before children) as per-row masks."""
     return tree_bits([int(torch.randint(-1, i, (1,), generator=g)) for i in range(n - 1)])
@@ -278,66 +291,6 @@ def test_bad_matmul_inputs_are_refused():
         w.matmul(torch.randn(1, 576), "int4")
     with pytest.raises(ValueError, match="multiple"):
         GGUFBlockWeight.from_gguf_bytes(np.zeros((2, 34), np.uint8), "Q8_0", 33)
-
-
-# ---- dense weights at a few rows (the decode step's matrix-vector kernel) ---------------------------
-
-@needs_kernels
-@pytest.mark.parametrize("w_dtype,x_dtype", [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32),
-                                             (torch.float32, torch.float32)])
-@pytest.mark.parametrize("rows,k", [(1, 576), (3, 576), (5, 100), (9, 1536), (2, 7)])
-def test_dense_matmul_equals_the_float64_product(w_dtype, x_dtype, rows, k):
-    """Every row of x against every weight row, K with and without a vector-width tail, M across
-    the kernel's passes of 4 rows; the sum in float32, the result in x's dtype."""
-    g = torch.Generator().manual_seed(rows * 1000 + k)
-    w, x = torch.randn(67, k, generator=g).to(w_dtype), torch.randn(rows, k, generator=g).to(x_dtype)
-    got = cpu.load().dense_matmul(x, w)
-    want = x.double() @ w.double().T
-    assert got.dtype == x_dtype and got.shape == (rows, 67)
-    tol = TOL[x_dtype] * want.abs().max().item() + 1e-4
-    assert (got.double() - want).abs().max().item() <= tol
-
-
-needs_panels = pytest.mark.skipif(not cpu.available() or not cpu.load().dense_panels_supported(),
-                                  reason="bf16 weight panels need an AVX-512 build")
-
-
-@needs_panels
-@pytest.mark.parametrize("rows", [1, 2, 3, 8, 9, 17, 64])
-@pytest.mark.parametrize("k", [576, 34, 2])
-def test_dense_panels_equal_the_float64_product(rows, k):
-    """bf16 panels of 32 rows (dense_panels.cpp): rows of x in tiles of 8 and their tails, one row
-    with its split accumulators, K down to one pair of columns; the result rounded to bf16."""
-    g = torch.Generator().manual_seed(rows * 1000 + k)
-    w, x = torch.randn(96, k, generator=g).bfloat16(), torch.randn(rows, k, generator=g).bfloat16()
-    panels = cpu.dense_panels(w)
-    assert panels.shape == (3, k // 2, 2, 16, 2)
-    got = cpu.load().dense_matmul(x, panels)
-    want = x.double() @ w.double().T
-    assert got.dtype == torch.bfloat16 and got.shape == (rows, 96)
-    assert (got.double() - want).abs().max().item() <= TOL[torch.bfloat16] * want.abs().max().item() + 1e-4
-    # rounded once, to nearest even: the float32 sum's bf16, which the row kernel also returns
-    assert (got == cpu.load().dense_matmul(x.float(), w).bfloat16()).float().mean() > 0.97
-
-
-@needs_panels
-def test_dense_panels_only_where_they_apply():
-    assert cpu.dense_panels(torch.randn(48, 64).bfloat16()) is None   # rows not a multiple of 32
-    assert cpu.dense_panels(torch.randn(32, 7).bfloat16()) is None    # an odd number of columns
-    assert cpu.dense_panels(torch.randn(32, 64)) is None              # float32 stays on torch's matmul
-    panels = cpu.dense_panels(torch.randn(32, 64).bfloat16())
-    with pytest.raises(ValueError, match="x must be bfloat16 .M, 64."):
-        cpu.load().dense_matmul(torch.randn(1, 64), panels)
-    with pytest.raises(ValueError, match="panel weights must be contiguous bfloat16"):
-        cpu.load().dense_matmul(torch.randn(1, 64).bfloat16(), panels.half())
-
-
-@needs_kernels
-def test_bad_dense_matmul_inputs_are_refused():
-    with pytest.raises(ValueError, match="x must be .M, K. and w .N, K."):
-        cpu.load().dense_matmul(torch.randn(1, 8), torch.randn(4, 9))
-    with pytest.raises(ValueError, match="w must be bfloat16 or float32"):
-        cpu.load().dense_matmul(torch.randn(1, 8), torch.randn(4, 8).half())
 
 
 # ---- the engine on a GGUF file -----------------------------------------------------------------

@@ -23,9 +23,10 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.mark.skipif("avx512f" not in cpu.cpu_flags().split(), reason="no AVX-512 here: the pinned build is the host's")
 def test_kernels_built_for_this_cpu_equal_their_references():
     env = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
-    selection = "panels or int8 or blocks or float32_activations or decode_batch or mixed_batch or draft_tree or fp8_pool"
+    selection = ("panels or int8 or blocks or float32_activations or decode_batch or mixed_batch or draft_tree or fp8_pool"
+                 " or long_prompts")
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=-ra",
-                          "tests/kernels/test_cpu_kernels.py", "-k", selection],
+                          "tests/kernels/test_cpu_kernels.py", "tests/kernels/test_dense_kernels.py", "-k", selection],
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
     tail = run.stdout[-3000:] + run.stderr[-2000:]
     assert run.returncode == 0, tail

@@ -27,6 +27,7 @@
 
 #include "common.h"
 #include "paged_attention_avx512.h"
+#include "paged_attention_prompt.h"
 
 namespace llmopt {
 
@@ -199,7 +200,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const 
   auto work = [&](int64_t, int64_t) {
     std::vector<float> qf(rows_max * D), acc(rows_max * D), kf(BS * D), vf(BS * D), s(BS);
     std::vector<float> m(rows_max), l(rows_max);
-    std::vector<float> kT((BS + 15) / 16 * 16 * D);
+    std::vector<int32_t> lo(rows_max), hi(rows_max);
     for (int64_t idx; (idx = next.fetch_add(1)) < int64_t(items.size());) {
       const Item& it = items[idx];
       const int64_t nq = it.q1 - it.q0, rows = nq * G, L = lens[it.seq];
@@ -227,11 +228,38 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const 
                                            key_stride, m.data(), l.data(), acc.data());
       }
 #endif
-      if (!in_registers) {
-      std::fill(m.begin(), m.begin() + rows, -std::numeric_limits<float>::infinity());
-      std::fill(l.begin(), l.begin() + rows, 0.0f);
-      std::fill(acc.begin(), acc.begin() + rows * D, 0.0f);
-      for (int64_t p0 = it.k0; p0 < it.k1;) {
+      int64_t p_first = in_registers ? it.k1 : it.k0;  // the general loop's keys: p_first .. k1
+#ifdef LLMOPT_ATTN_PROMPT
+      // the rest, rows in vector lanes (paged_attention_prompt.h), up to a tree's masked blocks
+      const int64_t k_end = tree ? std::clamp(std::max<int64_t>(masked_from, 0) / BS * BS, it.k0, it.k1) : it.k1;
+      if (!in_registers && k_end > it.k0) {
+        for (int64_t r = 0; r < rows; ++r) {   // row r sees positions lo <= p < hi
+          const int64_t pos = first_pos + r / G;
+          lo[r] = int32_t(window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0);
+          hi[r] = int32_t(pos + 1);
+        }
+        auto fetch = [&](int64_t p, int64_t n) {  // keys p .. p + n of one block, in float32
+          const size_t row = (size_t(table[it.seq * max_blocks + p / BS]) * BS + p % BS) * Hkv + it.kv_head;
+          if (fmt == KV_F32)
+            return attn::KeyRows{reinterpret_cast<const float*>(kbase) + row * D,
+                                 reinterpret_cast<const float*>(vbase) + row * D, Hkv * D};
+          for (int64_t i = 0; i < n; ++i) {
+            load_row(kbase + (row + i * Hkv) * D * elem, fmt, lut, ks, D, kf.data() + i * D);
+            load_row(vbase + (row + i * Hkv) * D * elem, fmt, lut, vs, D, vf.data() + i * D);
+          }
+          return attn::KeyRows{kf.data(), vf.data(), D};
+        };
+        if (attn::prompt_item(qf.data(), rows, D, lo.data(), hi.data(), it.k0, k_end, BS, fscale, fetch, m.data(),
+                              l.data(), acc.data()))
+          p_first = k_end;
+      }
+#endif
+      if (!in_registers && p_first == it.k0) {
+        std::fill(m.begin(), m.begin() + rows, -std::numeric_limits<float>::infinity());
+        std::fill(l.begin(), l.begin() + rows, 0.0f);
+        std::fill(acc.begin(), acc.begin() + rows * D, 0.0f);
+      }
+      for (int64_t p0 = p_first; p0 < it.k1;) {
         const int64_t blk = p0 / BS, p1 = std::min(it.k1, (blk + 1) * BS);
         const int64_t phys = table[it.seq * max_blocks + blk];
         for (int64_t p = p0; p < p1; ++p) {
@@ -245,13 +273,6 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const 
                                              std::min(p1, pos + 1));
         };
         const bool tree_block = tree && p1 > masked_from;  // holds keys some row may not see
-#ifdef LLMOPT_ATTN_AVX512
-        if (!tree_block && attn::block_rows_tiled(qf.data(), rows, D, kf.data(), vf.data(), p0, p1 - p0, fscale, range, m.data(),
-                                   l.data(), acc.data(), kT.data())) {  // (paged_attention_avx512.h, 2)
-          p0 = p1;
-          continue;
-        }
-#endif
         for (int64_t r = 0; r < rows; ++r) {
           const auto [a, b] = range(r);
           if (a >= b) continue;
@@ -282,7 +303,6 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const 
           m[r] = mx;
         }
         p0 = p1;
-      }
       }
       if (it.part >= 0) {
         float* sp = scratch.data() + it.part * rows_max * (D + 2);

@@ -1,5 +1,5 @@
-// The AVX-512 paths of paged_attention.cpp: decode items with their state in registers, and
-// prompt tiles whose scores are a small matrix product. Same online softmax, another order of sums.
+// The AVX-512 path of paged_attention.cpp for decode items, with their state in registers (prompt
+// items: paged_attention_prompt.h). Same online softmax, another order of sums.
 //
 // 1. Decode items.
 // A decode step's item is one sequence's one new token against one kv head: G query rows (the
@@ -122,64 +122,6 @@ bool decode_item_any(int64_t rows, int64_t D, const float* q, const char* kbase,
   LLMOPT_CASE(1, 2) LLMOPT_CASE(2, 2) LLMOPT_CASE(3, 2) LLMOPT_CASE(4, 2)
 #undef LLMOPT_CASE
   return false;
-}
-
-
-// 2. Prompt tiles. An item of a prompt is up to 16 new tokens x G heads = 48 rows against every
-// key before them. Row by row, each key cost a 64-wide dot product and its horizontal sum per
-// row: 206 of the 333 ms of a 512-token bf16 prefill of SmolLM2 (30 layers). Here each block of
-// keys is transposed once (kT [D, 16] per 16 keys), and a row's 16 scores are D broadcast-FMAs
-// with no horizontal sum; the value rows are then added into the row's output held in registers.
-
-template <int NV>
-void tile_row(const float* q, const float* kT, const float* vf, int64_t p0, int64_t n, int64_t a, int64_t b,
-              float scale, float& m, float& l, float* acc) {
-  constexpr int64_t D = 16 * NV;
-  alignas(64) float s[64];
-  for (int64_t c = 0; c * 16 < n; ++c) {
-    __m512 part[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-    const float* kc = kT + c * D * 16;
-    for (int64_t d = 0; d < D; d += 4)
-      for (int k = 0; k < 4; ++k)
-        part[k] = _mm512_fmadd_ps(_mm512_set1_ps(q[d + k]), _mm512_loadu_ps(kc + (d + k) * 16), part[k]);
-    const __m512 sv = _mm512_add_ps(_mm512_add_ps(part[0], part[1]), _mm512_add_ps(part[2], part[3]));
-    _mm512_store_ps(s + 16 * c, _mm512_mul_ps(sv, _mm512_set1_ps(scale)));
-  }
-  float mx = m;
-  for (int64_t p = a; p < b; ++p) mx = std::max(mx, s[p - p0]);
-  __m512 av[NV];
-  for (int v = 0; v < NV; ++v) av[v] = _mm512_loadu_ps(acc + 16 * v);
-  const float corr = std::exp(m - mx);  // 0 on the first keys (m = -inf)
-  if (corr != 1.0f) {
-    l *= corr;
-    for (int v = 0; v < NV; ++v) av[v] = _mm512_mul_ps(av[v], _mm512_set1_ps(corr));
-  }
-  exp_shifted_add(s + (a - p0), b - a, mx, l);
-  for (int64_t p = a; p < b; ++p) {
-    const __m512 e = _mm512_set1_ps(s[p - p0]);
-    for (int v = 0; v < NV; ++v) av[v] = _mm512_fmadd_ps(e, _mm512_loadu_ps(vf + (p - p0) * D + 16 * v), av[v]);
-  }
-  for (int v = 0; v < NV; ++v) _mm512_storeu_ps(acc + 16 * v, av[v]);
-  m = mx;
-}
-
-// Every row's update for the block of keys p0..p0 + n (float32 in kf, vf [n, D]); range(r) gives
-// row r's visible keys [a, b) within it. False (nothing done) where D is not 32, 64 or 128 or the
-// block has more than 64 keys: the general loop runs.
-template <typename Range>
-bool block_rows_tiled(const float* qf, int64_t rows, int64_t D, const float* kf, const float* vf, int64_t p0,
-                      int64_t n, float scale, Range range, float* m, float* l, float* acc, float* kT) {
-  if ((D != 32 && D != 64 && D != 128) || n > 64) return false;
-  for (int64_t p = 0; p < (n + 15) / 16 * 16; ++p)  // kT[c][d][j] = key 16c + j, dimension d (0 past n)
-    for (int64_t d = 0; d < D; ++d) kT[((p / 16) * D + d) * 16 + p % 16] = p < n ? kf[p * D + d] : 0.0f;
-  for (int64_t r = 0; r < rows; ++r) {
-    const auto [a, b] = range(r);
-    if (a >= b) continue;
-    if (D == 32) tile_row<2>(qf + r * D, kT, vf, p0, n, a, b, scale, m[r], l[r], acc + r * D);
-    else if (D == 64) tile_row<4>(qf + r * D, kT, vf, p0, n, a, b, scale, m[r], l[r], acc + r * D);
-    else tile_row<8>(qf + r * D, kT, vf, p0, n, a, b, scale, m[r], l[r], acc + r * D);
-  }
-  return true;
 }
 
 }  // namespace llmopt::attn
