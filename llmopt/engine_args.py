@@ -30,7 +30,7 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="lpm: longest cached prefix first (SGLang)")
     g.add_argument("--prefix-cache", default="hash", choices=["hash", "radix"],
                    help="hash: vLLM's chained block hashes; radix: SGLang's radix tree (token granularity)")
-    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"])
+    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"])
     g.add_argument("--calculate-kv-scales", action="store_true",
                    help="FP8 KV cache: measure k/v scales on calibration text at start")
     g.add_argument("--quantization", default=None, choices=["fp8", "int8", "gguf"],
