@@ -33,6 +33,7 @@ from torch import nn
 from llmopt.kernels import cpu
 from llmopt.layers.attention import AttentionMetadata
 from llmopt.layers.gguf_linear import KERNEL_MAX_ROWS, UNLIMITED, GGUFLinear
+from llmopt.worker import huge_pages
 
 LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
@@ -120,6 +121,11 @@ class CompiledLayers:
                 else:
                     self.tensors += [dense_weight(lin.weight), none, none, none, bias]
                     self.kinds.append(0)
+        # bf16 panels are this step's own copies: onto 2 MB pages as the model's weights are
+        # (llmopt/worker/huge_pages.py); the rest are the model's tensors, already there
+        own = [i for i, t in enumerate(self.tensors) if t.dim() == 5]
+        for i, t in zip(own, huge_pages.onto_huge_pages([self.tensors[i] for i in own])):
+            self.tensors[i] = t
 
     def run(self, h: torch.Tensor, meta: AttentionMetadata) -> None:
         pool = self.kv_cache
@@ -145,6 +151,8 @@ class CompiledDecode:
         self.dense_rows = self.layers.dense_rows
         head = model.lm_head
         self.head = dense_weight(head.weight) if type(head) is nn.Linear and head.bias is None else None
+        if self.head is not None and self.head.dim() == 5:
+            self.head = huge_pages.onto_huge_pages([self.head])[0]
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

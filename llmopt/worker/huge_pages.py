@@ -80,14 +80,37 @@ def move_weights(model: torch.nn.Module) -> int:
             want(getattr(blocks, name), lambda new, o=blocks, n=name: setattr(o, n, new))
     if not slots:
         return 0
+    copies = _arena_copies([t for t, _ in slots])
+    for (_, rebind), new in zip(slots, copies):
+        rebind(new)
+    return sum(t.nbytes for t, _ in slots)
+
+
+def onto_huge_pages(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The same tensors, those of at least a page copied into one mapping on 2 MB pages (the
+    compiled step's own repacked weights, which `move_weights` never saw); as they are where the
+    OS grants no huge pages."""
+    big = [i for i, t in enumerate(tensors)
+           if t.device.type == "cpu" and t.is_contiguous() and t.nbytes >= MIN_BYTES]
+    if not big or not available():
+        return list(tensors)
+    out = list(tensors)
+    for i, new in zip(big, _arena_copies([tensors[i] for i in big])):
+        out[i] = new
+    return out
+
+
+def _arena_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Copies of `tensors` side by side (each on a cache line) in one huge-page mapping."""
     offsets, total = [], 0
-    for t, _ in slots:
+    for t in tensors:
         offsets.append(total)
         total += -(-t.nbytes // ALIGN) * ALIGN
     arena = huge_page_buffer(total)
+    copies = []
     with torch.no_grad():
-        for (t, rebind), off in zip(slots, offsets):
+        for t, off in zip(tensors, offsets):
             new = arena[off:off + t.nbytes].view(t.dtype).view(t.shape)
             new.copy_(t)
-            rebind(new)
-    return total
+            copies.append(new)
+    return copies

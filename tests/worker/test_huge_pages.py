@@ -69,3 +69,14 @@ def test_engine_tokens_are_the_same_with_and_without_huge_pages(monkeypatch):
     monkeypatch.setattr(huge_pages, "move_weights", lambda model: 0)
     plain = [t.outputs[0].token_ids for t in LLM(model="tiny").generate(prompts, params, use_tqdm=False)]
     assert moved == plain
+
+
+@needs_thp
+def test_the_compiled_steps_own_copies_move_too():
+    """`onto_huge_pages`: tensors of at least a page copied side by side into one 2 MB-aligned
+    mapping, the same numbers; smaller ones returned as they are."""
+    big, small = torch.randn(64, 300).bfloat16(), torch.randn(8)
+    moved = huge_pages.onto_huge_pages([big, small])
+    assert torch.equal(moved[0], big) and moved[0].data_ptr() != big.data_ptr()
+    assert moved[0].data_ptr() % huge_pages.HUGE_PAGE == 0
+    assert moved[1] is small
