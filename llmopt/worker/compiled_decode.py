@@ -39,10 +39,11 @@ LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 # How the step multiplies by a dense weight. bfloat16 on an AVX-512 CPU: the weights repacked
 # once into panels of 32 rows (llmopt/kernels/cpu/dense_panels.cpp), at any number of rows. All of
-# SmolLM2's linears and its tied head (269 MB), 2 threads on an AMD EPYC without AVX512_BF16 or
-# AMX: 10.6 ms at one row of x, 13.3-14.1 at 8, 21-23 at 16, 76 at 64, against 10.6, 17.0, 33 and
-# (torch) 330 for the row kernel below, and 18-19, 66, 102 and 330 for torch's bf16 matmul. The
-# panels are a second copy of the weights (the originals serve the eager prompt path).
+# SmolLM2's linears and its tied head (269 MB), 2 threads on an Intel Xeon exposing AVX-512 but not
+# AVX512_BF16 or AMX: 10.6 ms at one row of x, 13.3-14.1 at 8, 21-23 at 16, 76 at 64, against 10.6,
+# 17.0, 33 and (torch) 330 for the row kernel below, and 18-19, 66, 102 and 330 for torch's bf16
+# matmul. The panels are a second copy of the weights: the originals serve the eager path
+# (enforce_eager=True, a swapped-in model, draft trees too large for the kernels' masks).
 # Elsewhere bfloat16 takes dense_matmul.cpp's row kernel up to 8 rows (9.9 ms at one row and 15.2
 # at eight, against 20.6 and 21.0 through torch's matmul, AMX tiles and all, on an Intel Xeon; from
 # 16 rows torch's blocked GEMM wins there). float32 stays on torch's matmul at every size: its
