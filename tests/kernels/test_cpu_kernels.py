@@ -89,6 +89,18 @@ def test_mixed_batch_equals_reference(group, dtype, window):
 
 
 @needs_kernels
+@pytest.mark.parametrize("block_size, group, head_dim", [(16, 3, 64), (32, 2, 128), (8, 4, 32)])
+@pytest.mark.parametrize("window", [None, 37])
+def test_float32_queries_over_bfloat16_pools_equal_reference(block_size, group, head_dim, window):
+    # kv_cache_dtype="bfloat16": rows widened exactly, so float32's tolerance; block ends, a slice's
+    # partial 16 keys, and one sequence cut into slices (prefetches past a slice's end stay in bounds)
+    for lens in ([1, 15, 16, 17, 33, 190, 700], [600]):
+        q, k, v, table, qsl, seq_lens, scale = paged_batch(lens, [1] * len(lens), num_kv_heads=3 - 2 * (len(lens) == 1),
+                                                           group=group, head_dim=head_dim, block_size=block_size, seed=5)
+        check_attention((q, k.bfloat16(), v.bfloat16(), table, qsl, seq_lens, scale), window)
+
+
+@needs_kernels
 @pytest.mark.parametrize("window", [None, 700])
 def test_one_long_context_sliced_across_threads_equals_reference(window):
     # one sequence and one kv head: too few work items, so the keys are sliced and merged
