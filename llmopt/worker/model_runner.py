@@ -76,7 +76,7 @@ class ModelRunner:
         input_ids, meta = self.prepare(scheduled)
         self.last_meta = meta
         compute_logits = self.model.compute_logits
-        if self.compiled_runs(scheduled, meta):
+        if self.compiled_runs(meta):
             hidden = self.compiled.forward(input_ids, meta)  # (a capture of this very model, not a swapped-in one)
             compute_logits = self.compiled.compute_logits
         else:
@@ -90,7 +90,7 @@ class ModelRunner:
         move_slots(self.kv_cache, *self.last_slot_moves)
         return out
 
-    def compiled_runs(self, scheduled, meta: AttentionMetadata) -> bool:
+    def compiled_runs(self, meta: AttentionMetadata) -> bool:
         """Whether this step goes through the compiled step: any step (decode, verification,
         prompts and their chunks, mixed) whose draft trees, if any, fit the kernels' masks, when
         the compiled capture is of this very model (not a swapped-in one)."""

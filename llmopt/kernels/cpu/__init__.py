@@ -129,16 +129,12 @@ def dense_panels(weight):
     columns, [N / 32, K / 2, 2, 16, 2] (element [g, j, v, r, t] = W[32 g + 16 v + r, 2 j + t]).
     None where that kernel does not run it: not bf16, N not a multiple of 32, K odd, or a build
     without AVX-512 (then dense_matmul.cpp's row kernel takes W as it is)."""
-    n, k = weight.shape
-    if weight.dtype != _torch().bfloat16 or n % 32 or k % 2 or not available() or not load().dense_panels_supported():
-        return None
-    return weight.detach().reshape(n // 32, 2, 16, k // 2, 2).permute(0, 3, 1, 2, 4).contiguous()
-
-
-def _torch():
     import torch
 
-    return torch
+    n, k = weight.shape
+    if weight.dtype != torch.bfloat16 or n % 32 or k % 2 or not available() or not load().dense_panels_supported():
+        return None
+    return weight.detach().reshape(n // 32, 2, 16, k // 2, 2).permute(0, 3, 1, 2, 4).contiguous()
 
 
 __all__ = ["available", "load", "cache_dir", "cpu_flags", "dense_panels", "why_unavailable"]

@@ -100,7 +100,7 @@ void rope(T* x, const T* cos, const T* ssin, int64_t tokens, int64_t heads, int6
 // The new tokens' keys or values into their pool slots: as they are, or a float32 model's rounded
 // to a bfloat16 pool (to nearest even, as the eager path's .to(bfloat16) rounds them).
 template <typename T>
-void write_slots(const T* src, int64_t stride, at::Tensor& pool, const int64_t* slots, int64_t tokens, int64_t width) {
+void write_slots(const T* src, int64_t stride, const at::Tensor& pool, const int64_t* slots, int64_t tokens, int64_t width) {
   if (pool.scalar_type() == c10::CppTypeToScalarType<T>::value) {
     T* dst = pool.data_ptr<T>();
     for (int64_t t = 0; t < tokens; ++t) std::memcpy(dst + slots[t] * width, src + t * stride, width * sizeof(T));
@@ -135,9 +135,8 @@ void run_layers(at::Tensor& h, const at::Tensor& cos, const at::Tensor& ssin, co
     const int64_t stride = q_size + 2 * kv_size;
     rope<T>(p, cos.data_ptr<T>(), ssin.data_ptr<T>(), T_, Hq, D, stride);
     rope<T>(p + q_size, cos.data_ptr<T>(), ssin.data_ptr<T>(), T_, Hkv, D, stride);
-    at::Tensor kp = k_pools[l], vp = v_pools[l];
-    write_slots<T>(p + q_size, stride, kp, slots.data_ptr<int64_t>(), T_, kv_size);
-    write_slots<T>(p + q_size + kv_size, stride, vp, slots.data_ptr<int64_t>(), T_, kv_size);
+    write_slots<T>(p + q_size, stride, k_pools[l], slots.data_ptr<int64_t>(), T_, kv_size);
+    write_slots<T>(p + q_size + kv_size, stride, v_pools[l], slots.data_ptr<int64_t>(), T_, kv_size);
     at::Tensor q = qkv.narrow(1, 0, q_size).contiguous().view({T_, Hq, D});
     at::Tensor attn = paged_attention(q, k_pools[l], v_pools[l], block_table, qsl, seq_lens, scale, windows[l],
                                       k_scales[l], v_scales[l], tree_bits);
