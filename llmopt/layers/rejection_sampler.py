@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import torch
 
+from llmopt.layers.sampler import greedy_tokens
+
 
 def rejection_sample(target_probs: torch.Tensor, draft_probs: torch.Tensor | None,
                      draft_tokens: torch.Tensor, generator: torch.Generator | None = None,
@@ -32,7 +34,7 @@ def rejection_sample(target_probs: torch.Tensor, draft_probs: torch.Tensor | Non
         x = int(draft_tokens[i])
         p = target_probs[i]
         if greedy:
-            best = int(p.argmax())
+            best = int(greedy_tokens(p))
             if best != x:
                 return out + [best]
             out.append(x)
@@ -53,5 +55,5 @@ def rejection_sample(target_probs: torch.Tensor, draft_probs: torch.Tensor | Non
         return out
     bonus = target_probs[k]
     if greedy:
-        return out + [int(bonus.argmax())]
+        return out + [int(greedy_tokens(bonus))]
     return out + [int(torch.multinomial(bonus, 1, generator=generator))]

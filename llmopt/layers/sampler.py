@@ -12,7 +12,23 @@ probability 0), never the inf - inf = NaN that a tiny temperature gives a raw di
 
 from __future__ import annotations
 
+import numpy as np
 import torch
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """The index of each row's largest logit ([..., V] -> [...], int64): torch.argmax's answer,
+    the first index on ties, NaN counting as the largest, as numpy's argmax gives it.
+
+    Why not torch.argmax: on the CPU it is a scalar loop, 85-120 us for one row of SmolLM2's
+    49,152 logits against numpy's vectorized 4 us; 64 rows took 3.5 ms, 5% of a 64-sequence
+    Q8_0 decode step, and a speculative step's verification asks for it once per position."""
+    if logits.device.type != "cpu" or logits.requires_grad or not logits.is_floating_point():
+        return logits.argmax(-1)
+    rows = logits.detach()
+    if rows.dtype not in (torch.float32, torch.float64):
+        rows = rows.float()  # bfloat16 / float16 widen exactly: the same order, the same ties
+    return torch.from_numpy(np.asarray(rows.numpy().argmax(-1)))
 
 
 def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
@@ -45,7 +61,7 @@ def sampling_probs(logits: torch.Tensor, params) -> torch.Tensor:
     """Rows [n, V] of one request's logits -> the distributions its sampler draws from
     (one-hot on the argmax when greedy). Speculative decoding compares these on both sides."""
     if params.greedy:
-        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).to(logits.dtype)
+        return torch.nn.functional.one_hot(greedy_tokens(logits), logits.shape[-1]).to(logits.dtype)
     return _filter_rows(logits, [params] * logits.shape[0]).softmax(-1)
 
 
@@ -102,7 +118,7 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[
 
 def sample(logits: torch.Tensor, params: list, generators: list[torch.Generator | None]) -> torch.Tensor:
     """One token per row. `params` are SamplingParams; greedy rows take the argmax."""
-    out = logits.argmax(dim=-1)
+    out = greedy_tokens(logits)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if not rows:
         return out

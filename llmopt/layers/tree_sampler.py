@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import torch
 
+from llmopt.layers.sampler import greedy_tokens
+
 
 def tree_rejection_sample(target_probs: torch.Tensor, draft_tokens: list[int], parents: list[int],
                           generator: torch.Generator | None = None, greedy: bool = False) -> tuple[list[int], list[int]]:
@@ -38,7 +40,7 @@ def tree_rejection_sample(target_probs: torch.Tensor, draft_tokens: list[int], p
     while True:
         p = target_probs[node + 1]
         if greedy:
-            best = int(p.argmax())
+            best = int(greedy_tokens(p))
             nxt = next((c for c in children.get(node, []) if draft_tokens[c] == best), None)
             if nxt is None:
                 return out + [best], path

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from llmopt.layers.attention import AttentionMetadata
-from llmopt.layers.sampler import sampling_probs
+from llmopt.layers.sampler import greedy_tokens, sampling_probs
 from llmopt.sequence import Sequence
 
 
@@ -81,7 +81,7 @@ class LayerSkipProposer:
             for row, i in enumerate(active):
                 seq = seqs[i]
                 if seq.params.greedy:
-                    token, q = int(logits[row].argmax()), None
+                    token, q = int(greedy_tokens(logits[row])), None
                 else:
                     q = sampling_probs(logits[row][None], seq.params)[0]
                     token = int(torch.multinomial(q, 1, generator=seq.generator))

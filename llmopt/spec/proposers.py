@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from llmopt.layers.attention import AttentionMetadata, slots_of
-from llmopt.layers.sampler import sampling_probs
+from llmopt.layers.sampler import greedy_tokens, sampling_probs
 from llmopt.sequence import Sequence
 from llmopt.spec.ngram import propose_ngram
 from llmopt.spec.tree import check_tree_config, draft_trees, max_tree_nodes
@@ -166,7 +166,7 @@ class _ModelProposer:
 
     def _pick(self, logits: torch.Tensor, seq: Sequence) -> tuple[int, torch.Tensor | None]:
         if seq.params.greedy:
-            return int(logits.argmax()), None
+            return int(greedy_tokens(logits)), None
         q = sampling_probs(logits[None], seq.params)[0]
         return int(torch.multinomial(q, 1, generator=seq.generator)), q
 

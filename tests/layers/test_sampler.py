@@ -12,7 +12,7 @@ import torch
 from scipy.stats import chisquare
 
 from llmopt import SamplingParams
-from llmopt.layers.sampler import filter_logits, sample
+from llmopt.layers.sampler import filter_logits, greedy_tokens, sample
 
 LOGITS = torch.tensor([2.0, 1.5, 1.2, 1.0, 0.7, 0.5, 0.3, 0.0, -0.5, -1.0, -2.0, -3.0])
 
@@ -78,6 +78,21 @@ def test_greedy_is_argmax_and_ignores_generators():
     logits = torch.randn(5, 50, generator=torch.Generator().manual_seed(0))
     out = sample(logits, [SamplingParams(temperature=0.0)] * 5, [None] * 5)
     assert out.tolist() == logits.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_greedy_tokens_equal_torch_argmax(dtype):
+    """The fast argmax answers as torch.argmax does: first index on ties, NaN as the largest,
+    rows of -inf, inference tensors, one row or many."""
+    nan, inf = float("nan"), float("inf")
+    special = torch.tensor([[1.0, nan, 3.0, nan], [-inf] * 4, [2.0, 5.0, 5.0, 1.0], [nan] * 4,
+                            [inf, 1.0, inf, 0.0], [0.0, -0.0, 0.0, -1.0]])
+    with torch.inference_mode():
+        for x in (special, torch.randn(7, 49152).round(decimals=1)):  # rounded: many ties
+            x = x.to(dtype)
+            assert torch.equal(greedy_tokens(x), x.argmax(-1))
+            assert greedy_tokens(x[2]).shape == () and int(greedy_tokens(x[2])) == int(x[2].argmax())
+    assert torch.equal(greedy_tokens(torch.tensor([[3, 9, 9]])), torch.tensor([1]))  # integers: torch's own
 
 
 def test_per_request_seed_is_independent_of_batch_position():
