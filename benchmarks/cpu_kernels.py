@@ -1,8 +1,8 @@
 """The C++ CPU kernels against what they replace, each figure with the GB/s it reads at.
 
 GGUF blocks (Q8_0 / Q4_0 / Q4_1, llama.cpp's int8-activation arithmetic) against torch's dense
-bf16 matmul, and the compiled decode step's own bf16 matrix-vector kernel (dense_matmul.cpp)
-beside it, at 1 / 4 / 16 / 64 rows of x, on SmolLM2-135M's shapes; paged attention against
+bf16 matmul, and the compiled decode step's own bf16 kernels beside it (dense_matmul.cpp's rows,
+and the 32-row panels of dense_panels.cpp where the CPU has AVX-512), at 1 / 4 / 16 / 64 rows of x, on SmolLM2-135M's shapes; paged attention against
 the engine's torch path (gather into a padded batch, then SDPA) at batch 1 / 8 / 64 and
 context 128 / 512 / 2048, SmolLM2's heads (9 query, 3 kv, head_dim 64, bf16). GB/s is the
 bytes a call must read (the weights; the keys and values) over its time; the header gives
@@ -64,6 +64,7 @@ def matmul_rows(repeats: int) -> list[dict]:
     for name, n, k in SHAPES:
         w = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
         dense = torch.from_numpy(w).bfloat16()
+        panels = cpu.dense_panels(dense)  # None without AVX-512
         blocks = {t: GGUFBlockWeight.from_gguf_bytes(quantize(w, GGMLQuantizationType[t]), t, k)
                   for t in ("Q8_0", "Q4_0", "Q4_1")}
         reps = max(5, repeats // (8 if n > 10000 else 1))
@@ -71,9 +72,11 @@ def matmul_rows(repeats: int) -> list[dict]:
             x = torch.randn(m, k).bfloat16()
             t_dense = timed(lambda: F.linear(x, dense), reps)
             t_mv = timed(lambda: cpu.load().dense_matmul(x, dense), reps)
+            t_panels = timed(lambda: cpu.load().dense_matmul(x, panels), reps) if panels is not None else float("nan")
             row = {"shape": name, "rows": m, "bf16_us": t_dense * 1e6,
                    "bf16_GBps": dense.numel() * 2 / t_dense / 1e9, "bf16_kernel_us": t_mv * 1e6,
-                   "bf16_kernel_GBps": dense.numel() * 2 / t_mv / 1e9}
+                   "bf16_kernel_GBps": dense.numel() * 2 / t_mv / 1e9, "bf16_panels_us": t_panels * 1e6,
+                   "bf16_panels_GBps": dense.numel() * 2 / t_panels / 1e9}
             for t, b in blocks.items():
                 s = timed(lambda: b.matmul(x), reps)
                 row[f"{t}_us"], row[f"{t}_GBps"], row[f"{t}_speedup"] = s * 1e6, b.nbytes() / s / 1e9, t_dense / s
@@ -142,12 +145,17 @@ def markdown(info: dict, mm: list[dict], cross: list[dict], att: list[dict]) -> 
              + f"later processes load them in {info['load_s'] * 1e3:.0f} ms. "
              "Medians of repeated calls; GB/s = bytes the call must read / its time.", "",
              "## x @ W^T: GGUF blocks (int8 activations, llama.cpp's arithmetic) vs dense bf16", "",
-             "bf16 = torch's matmul; bf16 kernel = dense_matmul.cpp, what the compiled decode step multiplies "
-             "dense bf16 weights by at a few rows; speedups are the blocks' against torch's bf16.", "",
-             "| shape (N x K) | rows | bf16 us (GB/s) | bf16 kernel us (GB/s) | Q8_0 us (GB/s) | Q4_0 us (GB/s) |"
-             " Q4_1 us (GB/s) | Q8_0 / Q4_0 / Q4_1 speedup |", "|---|---|---|---|---|---|---|---|"]
+             "bf16 = torch's matmul; bf16 rows = dense_matmul.cpp's row kernel (what the compiled step uses "
+             "for bf16 weights up to 8 rows of x without AVX-512); bf16 panels = the weight repacked into panels "
+             "of 32 rows (dense_panels.cpp, what it uses at any number of rows on an AVX-512 CPU); speedups are "
+             "the blocks' against torch's bf16. One weight called again and again stays in this CPU's caches "
+             "(576 x 576 in bf16 is 0.7 MB), so the small shapes can read above the memory's bandwidth; a whole "
+             "decode step's figures are in roofline.md.", "",
+             "| shape (N x K) | rows | bf16 us (GB/s) | bf16 rows us (GB/s) | bf16 panels us (GB/s) | Q8_0 us (GB/s) |"
+             " Q4_0 us (GB/s) | Q4_1 us (GB/s) | Q8_0 / Q4_0 / Q4_1 speedup |", "|---|---|---|---|---|---|---|---|---|"]
     for r in mm:
-        cells = [f"{r[f'{t}_us']:,.0f} ({r[f'{t}_GBps']:.1f})" for t in ("bf16", "bf16_kernel", "Q8_0", "Q4_0", "Q4_1")]
+        cells = [f"{r[f'{t}_us']:,.0f} ({r[f'{t}_GBps']:.1f})" if r[f"{t}_us"] == r[f"{t}_us"] else "-"
+                 for t in ("bf16", "bf16_kernel", "bf16_panels", "Q8_0", "Q4_0", "Q4_1")]
         lines.append(f"| {r['shape']} | {r['rows']} | " + " | ".join(cells) +
                      f" | {r['Q8_0_speedup']:.2f}x / {r['Q4_0_speedup']:.2f}x / {r['Q4_1_speedup']:.2f}x |")
     lines += ["", "## Where the dense matmul takes over (gate_up 3072x576, Q8_0 kernel vs dense, us)", "",

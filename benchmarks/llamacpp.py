@@ -23,7 +23,7 @@ KV cache in 16 bits a value, as llama.cpp keeps its own (float16) by default. Pe
   the step spreads; on the wheel's Q4_1 file one prompt's agreement went 135 -> 66 characters
   with a reordered float sum while the 8 prompts' total went 695 -> 756 of 1,125;
 - batch-1 decode: tokens / s generating 64 tokens (llama-bench tg64; llmopt: 1 + 64 tokens
-  minus 1 token, so the prompt's prefill is not counted);
+  minus 1 token, so the prompt's prefill is not counted; each after a warm-up run);
 - prefill: a 512-token prompt, tokens / s (llama-bench pp512; llmopt: max_tokens=1);
 - 16 and 64 sequences of 128 + 128 tokens, all tokens / s (llama-batched-bench; llmopt: one
   generate call of that many prompts).
@@ -161,6 +161,7 @@ def llmopt_bench(llm) -> dict:
         return time.perf_counter() - t
 
     short = {"prompt_token_ids": list(range(1000, 1008))}
+    timed(short, 65)  # a warm-up, as llama-bench runs one (the first timed run after llama.cpp's was up to 35% slower)
     decode = 64 / (timed(short, 65) - timed(short, 1))
     return {"decode": decode, "prefill": 512 / timed(ids, 1)}
 
