@@ -19,7 +19,8 @@ the alarm, there only a guard against a section that hangs, is at 4x). The secti
    (rebuilt from `.gpu_carry/`, see smollm2_carry.py): greedy tokens equal to transformers' on
    the GPU, offline throughput against transformers' static batching on the same requests,
    decode bandwidth and prefill FLOP/s as shares of the ceilings, FP8 KV / FP8 weights and
-   W4A16 against bf16 (gpu_engine.py).
+   W4A16 against bf16 (gpu_engine.py); `cuda-graphs`: decode steps replayed as CUDA graphs
+   against the eager path, greedy tokens and step time at 1 / 8 / 32 sequences (gpu_graphs.py).
 
     python benchmarks/gpu_check.py --prepare     # here, once: SmolLM2 into .gpu_carry/ (~30 MB)
     python benchmarks/gpu_check.py               # on the GPU: results/gpu_check.{md,json}
@@ -289,14 +290,16 @@ def section_cuda_tests(run: Run) -> None:
 def sections(run: Run) -> list[tuple[Section, object]]:
     sys.path.insert(0, str(HERE))
     import gpu_engine
+    import gpu_graphs
     import gpu_kernels
 
     plan = [("env", 20, section_env), ("cuda-tests", 60, section_cuda_tests),
-            ("kernels", 90, gpu_kernels.section_kernels),
+            ("kernels", 80, gpu_kernels.section_kernels),
             ("kernel-timings", 35, gpu_kernels.section_kernel_timings),
             ("engine-tiny", 30, gpu_engine.section_engine_tiny),
             ("smollm2-greedy", 45, gpu_engine.section_smollm2_greedy),
-            ("smollm2-throughput", 80, gpu_engine.section_smollm2_throughput),
+            ("cuda-graphs", 25, gpu_graphs.section_cuda_graphs),
+            ("smollm2-throughput", 65, gpu_engine.section_smollm2_throughput),
             ("smollm2-fp8", 45, gpu_engine.section_smollm2_fp8),
             ("smollm2-w4a16", 45, gpu_engine.section_smollm2_w4a16)]
     assert sum(b for _, b, _ in plan) <= TOTAL_BUDGET_S - 30, "the budgets must leave room for start-up"

@@ -93,10 +93,10 @@ class LLMEngine:
                                    config.scheduling_policy, max_in_flight=config.pipeline_parallel_size)
         self.runner = (ModelRunner if self.executor is None else self.executor.make_runner)(
             self.model, self.kv_cache, self.block_manager, self.device, self.eos_token_ids)
-        # vLLM's enforce_eager: False runs the steps compiled (one C++ call on the CPU) where it can
+        # vLLM's enforce_eager: False runs the steps compiled (one C++ call on the CPU, CUDA graphs on a GPU)
         why = ("enforce_eager=True" if config.enforce_eager else "tensor/pipeline parallel ranks" if self.executor
-               else self.runner.enable_compiled_decode())
-        self.decode_path = "compiled" if why is None else f"eager ({why})"
+               else self.runner.enable_compiled_decode(config.max_num_seqs, -(-self.max_model_len // self.block_size)))
+        self.decode_path = f"eager ({why})" if why else "cuda graphs" if self.runner.graphs else "compiled"
         self.requests: dict[str, Sequence] = {}
         # structured outputs: grammars compile in worker threads; bitmask, matchers, jump-forward
         self.structured = StructuredOutputManager(self.tokenizer, cfg.vocab_size, self.eos_token_ids)

@@ -105,6 +105,11 @@ class RotaryEmbedding(nn.Module):
                           self.signed_sin[positions].unsqueeze(1).to(dtype))
         return self._step[2], self._step[3]
 
+    def new_step(self) -> None:
+        """Forget the last lookup. A replayed step (CUDA graphs, llmopt/worker/cuda_graphs.py) passes the
+        same positions buffer each time with new contents: its lookup must run, and be recorded, anew."""
+        self._step = None
+
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim]."""
         cos, sin = self.step_tables(positions, q.dtype)

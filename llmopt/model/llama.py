@@ -87,6 +87,7 @@ class DecoderStack(nn.Module):
                                           cfg.rope_theta, cfg.rope_scaling)
 
     def forward(self, input_ids, positions, kv_cache):
+        self.rotary_emb.new_step()
         x = self.embed_tokens(input_ids)
         for layer in self.layers:
             x = layer(positions, x, self.rotary_emb, kv_cache)

@@ -38,12 +38,20 @@ class ModelRunner:
         self.model, self.kv_cache, self.bm, self.device = model, kv_cache, block_manager, device
         self.eos_token_ids = eos_token_ids  # held back until min_tokens, with stop_token_ids
         self.compiled = None  # the decode step in one call (compiled_decode.py), when enabled
+        self.graphs = None    # on CUDA: decode steps replayed as CUDA graphs (cuda_graphs.py)
 
-    def enable_compiled_decode(self) -> str | None:
+    def enable_compiled_decode(self, max_num_seqs: int = 256, max_blocks_per_seq: int = 0) -> str | None:
         """Run steps (prompts, decodes, verification) through the compiled step where it can run
-        this model and pool; returns why not (None when enabled)."""
+        this model and pool, on CUDA decode steps as CUDA graphs (buffers for max_num_seqs
+        sequences of max_blocks_per_seq blocks); returns why not (None when enabled)."""
         from llmopt.worker.compiled_decode import CompiledDecode, why_not
+        from llmopt.worker.cuda_graphs import GraphedDecode, why_not_graphs
 
+        if torch.device(self.device).type == "cuda":
+            reason = why_not_graphs(self.model, self.kv_cache, self.device)
+            if reason is None:
+                self.graphs = GraphedDecode(self.model, self.kv_cache, max_num_seqs, max_blocks_per_seq)
+            return reason
         reason = why_not(self.model, self.kv_cache, self.device)
         if reason is None:
             self.compiled = CompiledDecode(self.model, self.kv_cache)
@@ -79,6 +87,8 @@ class ModelRunner:
         if self.compiled_runs(meta):
             hidden = self.compiled.forward(input_ids, meta)  # (a capture of this very model, not a swapped-in one)
             compute_logits = self.compiled.compute_logits
+        elif self.graphs is not None and self.graphs.model is self.model and self.graphs.runs(meta):
+            hidden = self.graphs.forward(input_ids, meta)
         else:
             hidden = run_model(self.model, self.kv_cache, input_ids, meta)
         self.last_hidden = hidden  # an EAGLE head drafts from the target's features
