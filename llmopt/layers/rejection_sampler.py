@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from llmopt.layers.sampler import greedy_tokens
+from llmopt.layers.sampler import draw_token, greedy_tokens
 
 
 def rejection_sample(target_probs: torch.Tensor, draft_probs: torch.Tensor | None,
@@ -51,9 +51,9 @@ def rejection_sample(target_probs: torch.Tensor, draft_probs: torch.Tensor | Non
         residual = (p - q).clamp_min(0)
         if float(residual.sum()) <= 0:  # p == q: a rejection has probability 0; guard rounding
             residual = p
-        out.append(int(torch.multinomial(residual / residual.sum(), 1, generator=generator)))
+        out.append(draw_token(residual, generator))
         return out
     bonus = target_probs[k]
     if greedy:
         return out + [int(greedy_tokens(bonus))]
-    return out + [int(torch.multinomial(bonus, 1, generator=generator))]
+    return out + [draw_token(bonus, generator)]

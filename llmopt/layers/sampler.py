@@ -31,6 +31,28 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(np.asarray(rows.numpy().argmax(-1)))
 
 
+def draw_tokens(probs: torch.Tensor, generators: list) -> torch.Tensor:
+    """One token per row of `probs` [n, V] (unnormalized is fine), row i drawn with generators[i]
+    (None: torch's global generator): one uniform u per row, and the first token whose cumulative
+    probability passes u x the row's total (inverse-CDF sampling). A token of probability 0 is never
+    drawn, and each row takes exactly one number from its own generator, so a seeded request draws
+    the same tokens wherever it sits in the batch.
+
+    Why not torch.multinomial: on the CPU it takes 1.2 ms for one row of SmolLM2's 49,152
+    probabilities, a fifth of a Q8_0 decode step at batch 1, and about 80 ms for 64 rows, more than
+    the step's forward; a float64 cumulative sum over all rows takes about 0.02 ms a row."""
+    dev = probs.device
+    u = torch.stack([torch.rand((), dtype=torch.float64, generator=g, device=dev) for g in generators])
+    cdf = probs.double().cumsum(-1)
+    picked = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
+    return picked.clamp_(max=probs.shape[-1] - 1)  # (u < 1 keeps it below V; rounding cannot push it out)
+
+
+def draw_token(probs: torch.Tensor, generator=None) -> int:
+    """`draw_tokens` for one distribution [V]."""
+    return int(draw_tokens(probs[None], [generator])[0])
+
+
 def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                   top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     """Rows [B, V] of logits -> filtered, temperature-scaled logits (masked to -inf).
@@ -39,7 +61,7 @@ def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     The result is float32 and shifted so that each row's best token scores 0 (softmax is the same).
     """
     logits = logits.float()
-    logits = (logits - logits.max(-1, keepdim=True).values) / temperature.float()[:, None]
+    logits = (logits - logits.amax(-1, keepdim=True)).div_(temperature.float()[:, None])  # (amax: 10x max's speed)
     V = logits.shape[-1]
     k = torch.where(top_k <= 0, V, top_k.clamp(max=V))
     if bool((k < V).any() or (top_p < 1).any() or (min_p > 0).any()):
@@ -123,8 +145,7 @@ def sample(logits: torch.Tensor, params: list, generators: list[torch.Generator 
     if not rows:
         return out
     probs = _filter_rows(logits[rows], [params[i] for i in rows]).softmax(-1)
-    for j, i in enumerate(rows):
-        out[i] = torch.multinomial(probs[j], 1, generator=generators[i])[0]
+    out[rows] = draw_tokens(probs, [generators[i] for i in rows]).to(out.device)
     return out
 
 

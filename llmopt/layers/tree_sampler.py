@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from llmopt.layers.sampler import greedy_tokens
+from llmopt.layers.sampler import draw_token, greedy_tokens
 
 
 def tree_rejection_sample(target_probs: torch.Tensor, draft_tokens: list[int], parents: list[int],
@@ -58,7 +58,7 @@ def tree_rejection_sample(target_probs: torch.Tensor, draft_tokens: list[int], p
             if nxt is None:
                 if float(p.sum()) <= 0:  # all mass on rejected siblings: probability 0; guard rounding
                     p = target_probs[node + 1].double()
-                return out + [int(torch.multinomial(p / p.sum(), 1, generator=generator))], path
+                return out + [draw_token(p, generator)], path
         out.append(draft_tokens[nxt])
         path.append(nxt)
         node = nxt

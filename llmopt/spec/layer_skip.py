@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from llmopt.layers.attention import AttentionMetadata
-from llmopt.layers.sampler import greedy_tokens, sampling_probs
+from llmopt.layers.sampler import draw_token, greedy_tokens, sampling_probs
 from llmopt.sequence import Sequence
 
 
@@ -84,7 +84,7 @@ class LayerSkipProposer:
                     token, q = int(greedy_tokens(logits[row])), None
                 else:
                     q = sampling_probs(logits[row][None], seq.params)[0]
-                    token = int(torch.multinomial(q, 1, generator=seq.generator))
+                    token = draw_token(q, seq.generator)
                 drafts[i].append(token)
                 qs[i].append(q)
                 starts[i] += 1

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from llmopt.layers.attention import AttentionMetadata, slots_of
-from llmopt.layers.sampler import greedy_tokens, sampling_probs
+from llmopt.layers.sampler import draw_token, greedy_tokens, sampling_probs
 from llmopt.sequence import Sequence
 from llmopt.spec.ngram import propose_ngram
 from llmopt.spec.tree import check_tree_config, draft_trees, max_tree_nodes
@@ -168,7 +168,7 @@ class _ModelProposer:
         if seq.params.greedy:
             return int(greedy_tokens(logits)), None
         q = sampling_probs(logits[None], seq.params)[0]
-        return int(torch.multinomial(q, 1, generator=seq.generator)), q
+        return draw_token(q, seq.generator), q
 
     def observe(self, runner) -> None:
         pass

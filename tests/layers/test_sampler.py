@@ -12,7 +12,7 @@ import torch
 from scipy.stats import chisquare
 
 from llmopt import SamplingParams
-from llmopt.layers.sampler import filter_logits, greedy_tokens, sample
+from llmopt.layers.sampler import draw_tokens, filter_logits, greedy_tokens, sample
 
 LOGITS = torch.tensor([2.0, 1.5, 1.2, 1.0, 0.7, 0.5, 0.3, 0.0, -0.5, -1.0, -2.0, -3.0])
 
@@ -93,6 +93,19 @@ def test_greedy_tokens_equal_torch_argmax(dtype):
             assert torch.equal(greedy_tokens(x), x.argmax(-1))
             assert greedy_tokens(x[2]).shape == () and int(greedy_tokens(x[2])) == int(x[2].argmax())
     assert torch.equal(greedy_tokens(torch.tensor([[3, 9, 9]])), torch.tensor([1]))  # integers: torch's own
+
+
+def test_draw_tokens_follows_the_weights_and_never_draws_zero_mass():
+    """Inverse-CDF draws: unnormalized weights, zeros at the ends and between, one number per row."""
+    weights = torch.tensor([0.0, 3.0, 0.0, 0.0, 1.0, 0.0])
+    n = 4000
+    draws = draw_tokens(weights.expand(n, -1), [torch.Generator().manual_seed(3)] * n).numpy()
+    counts = np.bincount(draws, minlength=6)
+    assert counts[[0, 2, 3, 5]].sum() == 0
+    assert chisquare(counts[[1, 4]], [0.75 * n, 0.25 * n]).pvalue > 1e-3
+    one_hot = torch.zeros(2, 6, dtype=torch.float64)
+    one_hot[0, 5], one_hot[1, 0] = 1.0, 1.0  # the last and the first token
+    assert draw_tokens(one_hot, [None, None]).tolist() == [5, 0]
 
 
 def test_per_request_seed_is_independent_of_batch_position():
