@@ -13,6 +13,7 @@ import torch
 
 from llmopt.exercises.base import Case, Exercise
 from llmopt.layers.rejection_sampler import rejection_sample
+from llmopt.layers.sampler import draw_token
 
 
 def accept_or_resample_solution(p: torch.Tensor, q: torch.Tensor, x: int, u: float) -> torch.Tensor | None:
@@ -40,8 +41,8 @@ def sampler_from(rule):
             residual = torch.as_tensor(residual, dtype=p.dtype, device=p.device)
             if float(residual.sum()) <= 0:  # p == q: rejection had probability 0 (rounding); as the engine does
                 residual = p
-            return out + [int(torch.multinomial(residual / residual.sum(), 1, generator=generator))]
-        return out + [int(torch.multinomial(target_probs[len(out)], 1, generator=generator))]
+            return out + [draw_token(residual / residual.sum(), generator)]
+        return out + [draw_token(target_probs[len(out)], generator)]
     return verify
 
 

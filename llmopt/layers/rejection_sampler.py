@@ -51,7 +51,7 @@ def rejection_sample(target_probs: torch.Tensor, draft_probs: torch.Tensor | Non
         residual = (p - q).clamp_min(0)
         if float(residual.sum()) <= 0:  # p == q: a rejection has probability 0; guard rounding
             residual = p
-        out.append(draw_token(residual, generator))
+        out.append(draw_token(residual / residual.sum(), generator))
         return out
     bonus = target_probs[k]
     if greedy:

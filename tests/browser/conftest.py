@@ -54,9 +54,13 @@ def nbval_items(request) -> dict:
 
 @pytest.fixture(scope="package")
 def artifacts() -> Path:
-    shutil.rmtree(ARTIFACTS, ignore_errors=True)
-    ARTIFACTS.mkdir(parents=True)
-    return ARTIFACTS
+    # one folder per test process: JupyterLab keeps its home and runtime files here, and when two
+    # xdist workers cleared one shared folder, one deleted the other's running lab's (which then
+    # answered 500 to every new session) or lost the race to create it (FileExistsError)
+    path = ARTIFACTS / os.environ.get("PYTEST_XDIST_WORKER", "main")
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True)
+    return path
 
 
 @pytest.fixture(scope="package")  # stopped once the suite is done, not at the end of the whole run
