@@ -81,9 +81,8 @@ class RequestGrammar:
 def batch_bitmask(rows, firsts: list[int], num_rows: int, vocab_size: int):
     """The step's bitmask for every constrained sequence among `rows` (sequence i's logits
     rows start at firsts[i], one more per draft) -> (int32 bitmask [R, W], the logits rows it
-    covers), or None when no row is constrained."""
-    import xgrammar as xgr
-
+    covers), or None when no row is constrained (then xgrammar is never imported: an engine
+    without structured requests runs without it)."""
     covered, fills = [], []
     for seq, first in zip(rows, firsts):
         if getattr(seq, "grammar", None) is not None:
@@ -91,6 +90,8 @@ def batch_bitmask(rows, firsts: list[int], num_rows: int, vocab_size: int):
             covered += range(first, first + 1 + len(seq.spec_token_ids))
     if not covered:
         return None
+    import xgrammar as xgr
+
     bitmask = xgr.allocate_token_bitmask(len(covered), vocab_size)
     for seq, at in fills:
         seq.grammar.fill_with_drafts(bitmask, at, seq.spec_token_ids)

@@ -184,3 +184,24 @@ def test_jump_forward_tokens_are_the_tokenizers(tiny_llm):
     else:
         assert [comma] + forced == encode("," + text)
     assert "role" in text
+
+
+def test_an_engine_without_structured_requests_never_imports_xgrammar():
+    """xgrammar is imported by the first constrained request, not by every step: an engine serves
+    plain requests where xgrammar is missing (a GPU image without it, a minimal install)."""
+    import subprocess
+    import sys
+
+    code = """
+import sys
+class Missing:
+    def find_spec(self, name, path=None, target=None):
+        if name.split('.')[0] == 'xgrammar':
+            raise ImportError('xgrammar is not installed here')
+sys.meta_path.insert(0, Missing())
+from llmopt import LLM, SamplingParams
+out = LLM(model='tiny').generate(['def f(x):'], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
+assert len(out[0].outputs[0].token_ids) == 4 and 'xgrammar' not in sys.modules
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
