@@ -52,9 +52,11 @@ def check_kv_pool_fits(num_blocks: int, bytes_per_block: int, device: torch.devi
 def kv_blocks_from_budget(config, model, device: torch.device, max_model_len: int, bytes_per_block: int) -> int:
     """What is left of the budget after the weights, in blocks (vLLM's profiling, simplified).
 
-    CUDA: `gpu_memory_utilization` x device memory, minus the peak torch memory of a
-    profile forward (weights + the largest step's activations) and minus what lives
-    outside torch (the CUDA context, other processes). CPU: `cpu_kv_cache_space` GiB (vLLM reads
+    CUDA: `gpu_memory_utilization` x device memory, minus this engine's weights and the
+    activation peak of a profile forward (the largest step) and minus what lives outside torch
+    (the CUDA context, other processes), and never more than is free: like vLLM's, the fraction
+    is this engine's share, so two engines at 0.4 fit in one process and another engine's pool is
+    not counted as this one's weights. CPU: `cpu_kv_cache_space` GiB (vLLM reads
     VLLM_CPU_KVCACHE_SPACE) when given; else sized here, since a CPU's RAM is shared with
     everything else (the notebook, a reference model, the OS): a quarter of the memory
     available once the weights are loaded, at least 0.25 GiB and at most 4 GiB, and never
@@ -63,11 +65,13 @@ def kv_blocks_from_budget(config, model, device: torch.device, max_model_len: in
     in minutes of decoding; a quarter leaves Binder's 2 GiB machines room for the rest.
     """
     if device.type == "cuda":
-        peak = profile_peak_memory(model, device, config.max_num_batched_tokens, config.max_num_seqs,
-                                   max_model_len)
+        activations = profile_peak_memory(model, device, config.max_num_batched_tokens, config.max_num_seqs,
+                                          max_model_len)
+        weights = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()) if t.is_cuda)
         free, total = torch.cuda.mem_get_info(device)
         other = total - free - torch.cuda.memory_reserved(device)  # other processes, CUDA context
-        budget = config.gpu_memory_utilization * total - peak - max(0, other)
+        budget = min(config.gpu_memory_utilization * total - weights - activations - max(0, other),
+                     free - activations)
     elif config.cpu_kv_cache_space is not None:
         budget = config.cpu_kv_cache_space * 2**30
     else:
@@ -84,13 +88,15 @@ def kv_blocks_from_budget(config, model, device: torch.device, max_model_len: in
 @torch.inference_mode()
 def profile_peak_memory(model, device: torch.device, num_tokens: int, max_num_seqs: int,
                         max_model_len: int) -> int:
-    """Peak bytes torch needs for the weights plus the largest step's activations: run one
-    dummy forward of `num_tokens` (max_num_batched_tokens), as vLLM's profile run does."""
+    """Peak bytes torch needs for the largest step's activations, above what is allocated now
+    (the weights, other engines): one dummy forward of `num_tokens` (max_num_batched_tokens), as
+    vLLM's profile run does."""
     from llmopt.layers.attention import AttentionMetadata
     from llmopt.model.forward import run_model
     from llmopt.worker.kv_cache import NoKVCache
 
     torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
     n = num_tokens
     lens = [min(n, max_model_len - 1)] * (n // (max_model_len - 1))
     lens += [n - sum(lens)] if n - sum(lens) > 0 else []
@@ -98,7 +104,7 @@ def profile_peak_memory(model, device: torch.device, num_tokens: int, max_num_se
     hidden = run_model(model, NoKVCache(), ids, AttentionMetadata.uncached(lens, device))
     model.compute_logits(hidden[-max_num_seqs:])
     torch.cuda.synchronize(device)
-    peak = torch.cuda.max_memory_allocated(device)
+    peak = torch.cuda.max_memory_allocated(device) - before
     del hidden
     torch.cuda.empty_cache()
     return peak

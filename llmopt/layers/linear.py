@@ -80,7 +80,7 @@ class QuantLinear(nn.Module):
         if not dest.dtype.is_floating_point and tensor.dtype != dest.dtype:
             raise ValueError(f"{what} has dtype {tensor.dtype}, expected {dest.dtype}")
         seen = self._loaded.setdefault(name, [])
-        if layout is None and seen and not torch.equal(dest, tensor.to(dest.dtype)):
+        if layout is None and seen and not torch.equal(dest, tensor.to(dest.device, dest.dtype)):
             raise ValueError(f"{what} differs from the other shards of this fused layer; llmopt runs "
                              "them as one matmul and needs them to share it")
         dest.copy_(tensor.to(dest.dtype))
