@@ -45,6 +45,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
+from unittest import mock
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -90,6 +91,7 @@ class Run:
         import torch
 
         self.device, self.dry_run, self.carry, self.work = device, dry_run, carry, work
+        self.device_name = "CPU (dry run)" if dry_run else torch.cuda.get_device_name()
         # The interpreter keeps tensors in numpy, which has no bfloat16: fp16 stands in for it.
         self.bf16 = torch.float16 if dry_run else torch.bfloat16
         self.ceilings = {"bandwidth_GBps": 4300.0, "bf16_TFLOPs": 790.0, "measured": False}
@@ -264,19 +266,12 @@ def section_cuda_tests(run: Run) -> None:
 
     collect = Collect()
     # only the files that use the marker: collecting the whole suite imports everything it tests
-    files = [str(p) for p in sorted((ROOT / "tests").glob("test_*.py")) if "mark.cuda" in p.read_text()]
+    files = [str(p) for p in sorted((ROOT / "tests").rglob("test_*.py")) if "mark.cuda" in p.read_text()]
     run.note(f"test files with cuda tests: {', '.join(Path(f).name for f in files)}")
     args = ["-m", "cuda", "-q", "-p", "no:cacheprovider", "-p", "no:nbval", "-o", "addopts=", *files]
     # the tests need no third-party pytest plugin; loading every installed one takes seconds
-    saved = os.environ.get("PYTEST_DISABLE_PLUGIN_AUTOLOAD")
-    os.environ["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
-    try:
+    with mock.patch.dict(os.environ, {"PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}):
         code = pytest.main(args, plugins=[collect])
-    finally:
-        if saved is None:
-            os.environ.pop("PYTEST_DISABLE_PLUGIN_AUTOLOAD")
-        else:
-            os.environ["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = saved
     passed, failed, skipped = (collect.outcomes.get(k, []) for k in ("passed", "failed", "skipped"))
     run.section.numbers.update(passed=len(passed), failed=len(failed), skipped=len(skipped), exit_code=int(code))
     # exit code 5: no test selected; on a CPU every cuda test is skipped, which is the dry run's pass
@@ -295,9 +290,9 @@ def sections(run: Run) -> list[tuple[Section, object]]:
 
     plan = [("env", 20, section_env), ("cuda-tests", 60, section_cuda_tests),
             ("kernels", 80, gpu_kernels.section_kernels),
-            ("kernel-timings", 35, gpu_kernels.section_kernel_timings),
+            ("kernel-timings", 20, gpu_kernels.section_kernel_timings),
             ("engine-tiny", 30, gpu_engine.section_engine_tiny),
-            ("smollm2-greedy", 45, gpu_engine.section_smollm2_greedy),
+            ("smollm2-greedy", 60, gpu_engine.section_smollm2_greedy),
             ("cuda-graphs", 25, gpu_graphs.section_cuda_graphs),
             ("smollm2-throughput", 65, gpu_engine.section_smollm2_throughput),
             ("smollm2-fp8", 45, gpu_engine.section_smollm2_fp8),
@@ -329,6 +324,18 @@ def markdown(report: dict) -> str:
             lines += [f"- FAILED {c['name']}: {c['detail']}" for c in failed] + [""]
         lines += [f"- {n}" for n in s["notes"]]
     return "\n".join(lines).rstrip() + "\n"
+
+
+def write_reports(args, argv: list[str], run: Run, plan, t0: float) -> dict:
+    """The markdown and JSON reports of the sections run so far."""
+    report = {"command": " ".join(["python benchmarks/gpu_check.py", *argv]), "dry_run": args.dry_run,
+              "device_name": run.device_name,
+              "total_seconds": time.monotonic() - t0, "total_budget_s": TOTAL_BUDGET_S,
+              "ceilings": run.ceilings, "sections": [vars(s) for s, _ in plan]}
+    for path, text in ((args.json, json.dumps(report, indent=1, default=str) + "\n"), (args.out, markdown(report))):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return report
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -378,13 +385,8 @@ def main(argv: list[str] | None = None) -> int:
                 section.status = "skipped"
                 continue
             run_section(run, section, fn)
-    report = {"command": " ".join(["python benchmarks/gpu_check.py", *argv]), "dry_run": args.dry_run,
-              "device_name": torch.cuda.get_device_name() if run.device == "cuda" else "CPU (dry run)",
-              "total_seconds": time.monotonic() - t0, "total_budget_s": TOTAL_BUDGET_S,
-              "ceilings": run.ceilings, "sections": [vars(s) for s, _ in plan]}
-    for path, text in ((args.json, json.dumps(report, indent=1, default=str) + "\n"), (args.out, markdown(report))):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
+            write_reports(args, argv, run, plan, t0)  # after each: a run cut off keeps what it did
+        report = write_reports(args, argv, run, plan, t0)
     bad = [s.name for s, _ in plan if s.status not in ("ok", "skipped")]
     print(f"\n{len(plan) - len(bad)}/{len(plan)} sections ok in {report['total_seconds']:.0f} s"
           + (f"; not ok: {', '.join(bad)}" if bad else "") + f"\nwrote {args.out} and {args.json}", flush=True)

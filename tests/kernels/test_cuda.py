@@ -51,16 +51,41 @@ def test_memory_profile_sizes_the_pool_within_the_budget():
     assert all(t.is_cuda for t in cache.k)
 
 
+@torch.inference_mode()
+def largest_gap(hf, outputs) -> float:
+    """Teacher-forced: transformers' best log-probability minus that of each generated token, given
+    the same prefix; the largest over all tokens."""
+    gaps = []
+    for o in outputs:
+        out, n = o.outputs[0].token_ids, len(o.prompt_token_ids)
+        ids = torch.tensor([o.prompt_token_ids + out], device="cuda")
+        logp = torch.log_softmax(hf(input_ids=ids).logits[0, n - 1: n - 1 + len(out)].float(), -1)
+        gaps.append(logp.amax(-1) - logp[torch.arange(len(out), device="cuda"), torch.tensor(out, device="cuda")])
+    return float(torch.cat(gaps).max())
+
+
 def test_bf16_engine_triton_path_equals_its_torch_path():
-    llm = LLM(model="tiny", device="cuda", dtype="bfloat16", gpu_memory_utilization=0.1)
-    triton_tokens = tokens(llm)
+    """Eager: a CUDA graph captured with the Triton kernels would replay them after the switch. In
+    bf16 the two paths round differently, may flip a near-tie and part after it; so each path's
+    every token must be transformers' best on the same prefix or within half a nat of it (on the
+    CPU in bf16 the engine's tokens are within 0.03; a wrong kernel picks tokens nats below)."""
+    from transformers import AutoModelForCausalLM
+
+    from llmopt import model_path
+
+    llm = LLM(model="tiny", device="cuda", dtype="bfloat16", gpu_memory_utilization=0.1, enforce_eager=True)
+    triton_outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     llm.llm_engine.kv_cache.use_triton = False
-    assert agree(triton_tokens, tokens(llm))
+    torch_outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    hf = AutoModelForCausalLM.from_pretrained(str(model_path("tiny")), dtype=torch.bfloat16).cuda().eval()
+    assert largest_gap(hf, triton_outputs) <= 0.5
+    assert largest_gap(hf, torch_outputs) <= 0.5
 
 
 def test_fp8_kv_cache_triton_path_equals_its_torch_path():
+    """float32 compute over one fp8 pool; eager, as above."""
     llm = LLM(model="tiny", device="cuda", dtype="float32", kv_cache_dtype="fp8", calculate_kv_scales=True,
-              gpu_memory_utilization=0.1)
+              gpu_memory_utilization=0.1, enforce_eager=True)
     assert llm.llm_engine.kv_cache.is_fp8 and llm.llm_engine.kv_cache.use_triton
     triton_tokens = tokens(llm)
     llm.llm_engine.kv_cache.use_triton = False
