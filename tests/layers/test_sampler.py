@@ -166,3 +166,49 @@ def test_extreme_accepted_params_sample():
         token = sample(logits, [p], [torch.Generator().manual_seed(0)])
         assert 0 <= int(token) < LOGITS.numel(), kw
     assert SamplingParams(temperature=1e-40).greedy and not SamplingParams(temperature=GREEDY_TEMPERATURE).greedy
+
+
+@pytest.mark.parametrize("top_ks", [(-1, 5, 100), (-1, 5, 1000)])
+@pytest.mark.parametrize("scale", [8.0, 1.0, 0.05])  # peaked rows, SmolLM2-like, nearly flat ones
+def test_candidate_prefix_filters_as_the_full_sort_does(monkeypatch, scale, top_ks):
+    """filter_logits looks at the 128 (then 2,048) largest logits before sorting whole rows; the
+    result must be the full sort's, whether the prefix sufficed (peaked rows) or not (flat ones)."""
+    import llmopt.layers.sampler as sampler
+
+    gen = torch.Generator().manual_seed(int(scale * 100))
+    B, V = 24, 20000
+    logits = torch.randn(B, V, generator=gen) * scale
+    pick = lambda options: torch.tensor([options[i % len(options)] for i in range(B)])  # noqa: E731
+    knobs = (pick([1.0, 0.7, 1.3]), pick([*top_ks, -1, -1]), pick([1.0, 0.5, 0.9, 0.99, 0.95]),
+             pick([0.0, 0.0, 0.01, 0.2, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]))
+    prefixes = []
+    keep_sorted = sampler._keep_sorted
+    monkeypatch.setattr(sampler, "_keep_sorted", lambda v, *a: prefixes.append(v.shape[-1]) or keep_sorted(v, *a))
+    fast = sampler.filter_logits(logits, *knobs)
+    monkeypatch.setattr(sampler, "CANDIDATES", ())
+    monkeypatch.setattr(sampler, "_keep_sorted", keep_sorted)
+    full = sampler.filter_logits(logits, *knobs)
+    assert torch.equal(fast.isfinite(), full.isfinite())
+    assert torch.equal(fast[fast.isfinite()], full[full.isfinite()])
+    assert prefixes[0] == 128 and (max(top_ks) <= 128 or 2048 in prefixes)  # top-k 1,000 waits for 2,048
+    if scale == 8.0:
+        assert prefixes[-1] < V  # a prefix held every kept token: no full sort
+    if scale == 0.05:
+        assert prefixes[-1] == V  # flat rows: the nucleus is thousands of tokens, the full sort decides
+    unfiltered = torch.nonzero((knobs[1] <= 0) & (knobs[2] >= 1) & (knobs[3] <= 0))[:, 0]
+    assert len(unfiltered) and fast[unfiltered].isfinite().all()  # rows that ask for nothing keep every token
+
+
+def test_token_zero_survives_the_padding_of_shorter_prefixes():
+    """Rows finished by a 128-token prefix are padded (id 0, -inf) beside a row that needed a
+    longer one; where token 0 is kept, the padding must not mask it."""
+    V = 20000
+    logits = torch.full((2, V), -30.0)
+    logits[0, 0] = 5.0  # row 0: token 0 dominates, its nucleus is 2 tokens
+    logits[0, 1] = 4.0
+    logits[1] = torch.linspace(0, -3, V)  # row 1: flat, its nucleus needs thousands
+    out = filter_logits(logits, torch.ones(2), torch.tensor([-1, -1]), torch.tensor([0.99, 0.9]), torch.zeros(2))
+    assert out[0, 0] == 0 and out[0, 1].isfinite() and out[0, 2:].isinf().all()
+    assert out[1].isfinite().sum() > 128
+    tokens = sample(logits, [SamplingParams(temperature=1.0, top_p=0.99)] * 2, [torch.Generator().manual_seed(0)] * 2)
+    assert int(tokens[0]) in (0, 1)
