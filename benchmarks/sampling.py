@@ -95,7 +95,7 @@ def main() -> None:
     with torch.inference_mode():
         hidden = run_model(llm.model, NoKVCache(), ids, AttentionMetadata.uncached([len(ids)], ids.device))
         logits = llm.model.compute_logits(hidden).float()
-    lines = [f"`python benchmarks/sampling.py {' '.join(sys.argv[1:])}`: SmolLM2-135M-Instruct's logits over 512 "
+    lines = [f"`{' '.join(['python benchmarks/sampling.py', *sys.argv[1:]])}`: SmolLM2-135M-Instruct's logits over 512 "
              f"held-out positions (vocabulary 49,152), {args.threads} thread(s); {cpu_name()} ({os.cpu_count()} cores), "
              f"1-minute load average {load:.2f} before the run.", "",
              "| sampling | rows | textbook (sort + multinomial), ms | llmopt, ms | speedup |", "|---|---|---|---|---|"]
