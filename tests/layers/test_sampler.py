@@ -212,3 +212,18 @@ def test_token_zero_survives_the_padding_of_shorter_prefixes():
     assert out[1].isfinite().sum() > 128
     tokens = sample(logits, [SamplingParams(temperature=1.0, top_p=0.99)] * 2, [torch.Generator().manual_seed(0)] * 2)
     assert int(tokens[0]) in (0, 1)
+
+
+def test_exp_normal_has_no_subnormals_and_keeps_masks_at_zero():
+    """Low temperatures push most logits far below the best: their exps would be subnormal floats,
+    which x86 computes on a slow path. exp_normal gives those 0, -inf (a mask) 0, the rest exp."""
+    from llmopt.layers.sampler import exp_normal
+
+    x = torch.tensor([[0.0, -1.0, -50.0, -86.9, -87.5, -95.0, -400.0, float("-inf")]])
+    y = exp_normal(x)
+    assert (y[0, 4:] == 0).all() and (y[0, :4] > 0).all()
+    torch.testing.assert_close(y[0, :3], x[0, :3].exp(), rtol=1e-6, atol=0)
+    low = (torch.randn(8, 4096, generator=torch.Generator().manual_seed(0)) * 40).clamp(max=0)  # temperature ~0.1
+    subnormal = lambda t: ((t > 0) & (t < torch.finfo(torch.float32).tiny)).sum()  # noqa: E731
+    assert subnormal(low.exp()) > 100 and subnormal(exp_normal(low)) * 10 < subnormal(low.exp())  # (330 -> 18)
+    assert torch.equal(exp_normal(x[:, :3]), x[:, :3].exp())  # nothing that low: plain exp
