@@ -176,7 +176,8 @@ def sampling_probs(logits: torch.Tensor, params) -> torch.Tensor:
     (one-hot on the argmax when greedy). Speculative decoding compares these on both sides."""
     if params.greedy:
         return torch.nn.functional.one_hot(greedy_tokens(logits), logits.shape[-1]).to(logits.dtype)
-    return _filter_rows(logits, [params] * logits.shape[0]).softmax(-1)
+    p = exp_normal(_filter_rows(logits, [params] * logits.shape[0]))  # softmax, without subnormals
+    return p / p.sum(-1, keepdim=True)
 
 
 def _filter_rows(logits: torch.Tensor, params: list) -> torch.Tensor:
