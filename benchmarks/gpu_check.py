@@ -248,6 +248,7 @@ def section_env(run: Run) -> None:
         run.ceilings.update(bandwidth_GBps=round(2 * n / ms / 1e6), bf16_TFLOPs=round(2 * 8192**3 / mm / 1e9),
                             measured=True)
     info["ceilings"] = run.ceilings
+    info["load_average_1min"] = round(os.getloadavg()[0], 2)  # the host's CPUs: the engine's steps run there
     run.section.numbers.update(info)
     run.table("Environment", ["what", "value"], [[k, v] for k, v in info.items()])
 

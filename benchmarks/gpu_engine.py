@@ -20,8 +20,11 @@ kernels forced on through Triton's interpreter.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import torch
+
+ROOT = Path(__file__).resolve().parent.parent
 
 CHAT = ["What is the capital of France?", "Write a haiku about the sea.", "Explain recursion in one sentence."]
 
@@ -85,7 +88,8 @@ def smollm2_folder(run):
         carry = run.work / "carry" / "smollm2"
         write_carry(weights, hf_folder_files(config, AutoTokenizer.from_pretrained(str(tiny))), carry, preset=1)
     seconds, folder = run.wall(lambda: rebuild(carry, run.work / "smollm2"))
-    run.note(f"rebuilt {folder.name} from {carry} in {seconds:.1f} s")
+    where = carry.relative_to(ROOT) if carry.is_relative_to(ROOT) else carry.name  # no machine's paths in reports
+    run.note(f"rebuilt {folder.name} from {where} in {seconds:.1f} s")
     run.shared["smollm2"] = folder
     return folder
 
@@ -125,29 +129,16 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> tuple[int, float]:
     return sum(x == y for x, y in zip(a, b)), sum(map(common_prefix_share, a, b)) / max(len(a), 1)
 
 
-# A correct engine's greedy token is transformers' argmax on the same prefix or a near-tie of it:
-# another summation order moves bf16 logits by a step or two (1/8 at 16-32), flips such a tie, and
-# everything after it differs. So token agreement alone cannot tell rounding from a wrong kernel (on
-# the CPU, tiny in bf16: 6 of 8 sequences identical, yet every engine token within 0.031 nats of
-# transformers' best); the check is each token's gap below transformers' best, teacher-forced. A
-# wrong kernel picks tokens nats below.
+# Token agreement alone cannot tell bf16 rounding from a wrong kernel (on the CPU, tiny in bf16: 6
+# of 8 sequences identical, yet every engine token within 0.031 nats of transformers' best): the
+# check is each token's gap below transformers' best, teacher-forced (llmopt.eval.greedy_gaps).
 MAX_GAP = 0.5
 
 
-@torch.inference_mode()
 def argmax_gaps(hf, requests, outputs) -> torch.Tensor:
-    """For every generated token: transformers' best log-probability minus this token's, given the
-    same prompt and generated prefix (one forward of prompt + output per request)."""
-    dev = next(hf.parameters()).device
-    gaps = []
-    for r, out in zip(requests, outputs):
-        if not out:
-            continue
-        ids = torch.tensor([list(r.prompt_token_ids) + list(out)], device=dev)
-        n = len(r.prompt_token_ids)
-        logp = torch.log_softmax(hf(input_ids=ids).logits[0, n - 1: n - 1 + len(out)].float(), -1)
-        gaps.append(logp.amax(-1) - logp[torch.arange(len(out), device=dev), torch.tensor(out, device=dev)])
-    return torch.cat(gaps).cpu() if gaps else torch.zeros(0)
+    from llmopt.eval import greedy_gaps
+
+    return greedy_gaps(hf, [r.prompt_token_ids for r in requests], outputs)
 
 
 def check_greedy(run, what, mine, theirs, hf=None, requests=None):

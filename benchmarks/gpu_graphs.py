@@ -5,9 +5,9 @@ decode steps replay the graph of their batch-size bucket (llmopt/worker/cuda_gra
 the greedy tokens of the two (they may part where a padded bucket's matmuls round differently
 from the unpadded batch's; smollm2-greedy holds the engine to transformers), then the median
 decode step at 1, 8 and 32 sequences on each path: at small batch a step of SmolLM2 is a few
-hundred kernel launches, which a graph replays with one call. In the dry run the bundled model runs on
-the CPU with `call_again` standing in for a graph: the buffers and buckets run, the timings mean
-nothing.
+hundred kernel launches, which a graph replays with one call. In the dry run the bundled model
+runs on the CPU with `call_again` standing in for a graph: the buffers and buckets run, the
+timings mean nothing.
 """
 
 from __future__ import annotations

@@ -134,3 +134,24 @@ def _score_windows(engine, windows: list[list[int]], chunk_size: int) -> list[tu
         for seq in seqs:
             bm.free(seq.request_id)
     return [(t, len(w) - 1) for t, w in zip(totals, windows)]
+
+
+@torch.inference_mode()
+def greedy_gaps(reference, prompts: list[list[int]], outputs: list[list[int]]) -> torch.Tensor:
+    """For every greedily generated token: a reference model's best log-probability minus this
+    token's, given the same prompt and generated prefix (teacher-forced, one forward of prompt +
+    output each; `reference` is any causal LM whose call returns `.logits`, transformers' for one).
+
+    Why not compare tokens: another summation order moves bf16 logits by a step or two, flips a
+    near-tie, and everything after it differs; a correct engine's tokens are the reference's best
+    or within a fraction of a nat of it, a wrong kernel's lie nats below."""
+    dev = next(reference.parameters()).device
+    gaps = []
+    for prompt, out in zip(prompts, outputs):
+        if not out:
+            continue
+        ids = torch.tensor([list(prompt) + list(out)], device=dev)
+        n = len(prompt)
+        logp = torch.log_softmax(reference(input_ids=ids).logits[0, n - 1: n - 1 + len(out)].float(), -1)
+        gaps.append(logp.amax(-1) - logp[torch.arange(len(out), device=dev), torch.tensor(out, device=dev)])
+    return torch.cat(gaps).cpu() if gaps else torch.zeros(0)

@@ -56,7 +56,7 @@ def draw_tokens(probs: torch.Tensor, generators: list) -> torch.Tensor:
     outer = chunks.sum(-1).double().cumsum(-1)  # mass up to each chunk's end: sums of 256, then float64
     target = u * outer[:, -1]
     c = torch.searchsorted(outer, target[:, None], right=True)[:, 0].clamp_(max=outer.shape[1] - 1)
-    before = torch.where(c > 0, outer.gather(-1, (c - 1).clamp(min=0)[:, None])[:, 0], 0.0)
+    before = torch.nn.functional.pad(outer, (1, 0)).gather(-1, c[:, None])[:, 0]  # mass before chunk c
     inner = chunks[torch.arange(n, device=dev), c].double().cumsum(-1)   # within the chosen chunk
     # the chunk has mass (its cumulative sum rose past the target); a rounding step between its two
     # sums must not carry the pick past its last token of mass
@@ -124,7 +124,10 @@ def filtered_candidates(logits: torch.Tensor, temperature: torch.Tensor, top_k: 
         return logits, None
     # each row's probabilities are over its top-k tokens, or over the whole row where top-k is off
     # (its best logit is 0, so the sum of exps cannot overflow)
-    whole = torch.where(k < V, float("nan"), exp_normal(logits).sum(-1).log())
+    whole = torch.full((B,), float("nan"), device=logits.device)
+    need = (active & (k >= V)).nonzero()[:, 0]
+    if len(need):
+        whole[need] = exp_normal(logits if len(need) == B else logits[need]).sum(-1).log()
     pieces, left = [], active.clone()
     for c in [c for c in CANDIDATES if c < V // 4] + [V]:
         # a top-k beyond the prefix waits for a longer one: its normalizer needs tokens outside

@@ -51,17 +51,10 @@ def test_memory_profile_sizes_the_pool_within_the_budget():
     assert all(t.is_cuda for t in cache.k)
 
 
-@torch.inference_mode()
 def largest_gap(hf, outputs) -> float:
-    """Teacher-forced: transformers' best log-probability minus that of each generated token, given
-    the same prefix; the largest over all tokens."""
-    gaps = []
-    for o in outputs:
-        out, n = o.outputs[0].token_ids, len(o.prompt_token_ids)
-        ids = torch.tensor([o.prompt_token_ids + out], device="cuda")
-        logp = torch.log_softmax(hf(input_ids=ids).logits[0, n - 1: n - 1 + len(out)].float(), -1)
-        gaps.append(logp.amax(-1) - logp[torch.arange(len(out), device="cuda"), torch.tensor(out, device="cuda")])
-    return float(torch.cat(gaps).max())
+    from llmopt.eval import greedy_gaps
+
+    return float(greedy_gaps(hf, [o.prompt_token_ids for o in outputs], [o.outputs[0].token_ids for o in outputs]).max())
 
 
 def test_bf16_engine_triton_path_equals_its_torch_path():
