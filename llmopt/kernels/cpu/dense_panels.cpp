@@ -16,7 +16,8 @@
 // already are 16 outputs: no horizontal sums, and one weight load serves every row of x in the
 // tile. A panel is one sequential stream, front to back, for the prefetchers.
 // (The pairs are what AVX512_BF16's `vdpbf16ps` multiplies in one instruction, twice the products
-// of an FMA; this course's machine has no AVX512_BF16, so that path is not built here.)
+// of an FMA. This course's Xeon executes it though its CPUID hides it; a tile on it, x kept in bf16,
+// took SmolLM2's linears at 8 rows of x 14.3-15.1 ms against 12.9-13.9 here: not built.)
 //
 // Tile: R rows of x x the panel's 32 rows, 2 R float32 accumulators. R up to 8 keeps 16
 // accumulators, the 4 widened weight vectors and the broadcasts in the 32 registers; more rows
