@@ -19,6 +19,7 @@ QUANTIZATION = (None, "fp8", "int8", "gguf")
 SPEC_METHODS = ("draft_model", "ngram", "eagle", "layer_skip")
 SCHEDULING_POLICIES = ("fcfs", "priority", "lpm")
 PREFIX_CACHES = ("hash", "radix")
+SEED_RANGE = (-2**63, 2**64)  # what torch.manual_seed takes
 
 
 @dataclass
@@ -54,6 +55,10 @@ class EngineConfig:
     enable_trace: bool = False
 
     def __post_init__(self):
+        # a number here reached the tokenizer loader as "expected str, bytes or os.PathLike object"
+        if self.tokenizer is not None and not (isinstance(self.tokenizer, str) and self.tokenizer):
+            raise TypeError(f"tokenizer must be a model name or folder (a non-empty string) or None "
+                            f"(the model's own), got {self.tokenizer!r}")
         _positive_int("block_size", self.block_size)
         if self.block_size & (self.block_size - 1) or self.block_size < 8:
             raise ValueError(f"block_size must be a power of two >= 8 (8, 16, 32, ...), got {self.block_size}")
@@ -70,8 +75,9 @@ class EngineConfig:
             self.cpu_kv_cache_space = _cpu_kv_space_from_env()
         if self.cpu_kv_cache_space is not None:
             _real("cpu_kv_cache_space", self.cpu_kv_cache_space)
-            if not self.cpu_kv_cache_space > 0:
-                raise ValueError(f"cpu_kv_cache_space (GiB) must be > 0, got {self.cpu_kv_cache_space}")
+            # inf passed and then sized the pool as "cannot convert float NaN to integer"
+            if not 0 < self.cpu_kv_cache_space < float("inf"):
+                raise ValueError(f"cpu_kv_cache_space (GiB) must be a finite number > 0, got {self.cpu_kv_cache_space}")
         for name in ("enable_chunked_prefill", "enable_prefix_caching", "enforce_eager", "enable_trace",
                      "calculate_kv_scales"):
             if not isinstance(getattr(self, name), bool):
@@ -93,8 +99,12 @@ class EngineConfig:
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         if str(self.device).startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device={self.device!r} but no CUDA device is available; use 'cpu' or 'auto'")
-        if not isinstance(self.dtype, torch.dtype) and self.dtype != "auto" and self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be 'auto' or one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        # a torch.dtype too must be one the model runs in: torch.int64 failed in nn.Module.to
+        ok = self.dtype in DTYPES.values() if isinstance(self.dtype, torch.dtype) else (
+            isinstance(self.dtype, str) and (self.dtype == "auto" or self.dtype in DTYPES))
+        if not ok:
+            raise ValueError(f"dtype must be 'auto' or one of {', '.join(DTYPES)} (or that torch.dtype), "
+                             f"got {self.dtype!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
                              f"got {self.kv_cache_dtype!r}")
@@ -140,6 +150,8 @@ class EngineConfig:
                 raise TypeError(f"speculative_config['model'] must be a model name or folder, "
                                 f"got {sc['model']!r}")
         _int("seed", self.seed)
+        if not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]:  # 2**70 failed in torch.manual_seed, after loading
+            raise ValueError(f"seed must be in [-2**63, 2**64) (what torch.manual_seed takes), got {self.seed}")
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):
             _positive_int(name, getattr(self, name))
         if self.tensor_parallel_size * self.pipeline_parallel_size > 1:

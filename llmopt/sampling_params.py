@@ -52,6 +52,13 @@ class SamplingParams:
     _stop_list: list[str] = field(default_factory=list, repr=False, compare=False)
 
     def __post_init__(self):
+        # Every number is stored as a plain float / int: a Fraction (a Real) passed
+        # the checks and then failed the engine step that builds the sampler's tensors.
+        for name in ("temperature", "top_p", "min_p"):
+            setattr(self, name, _real(name, getattr(self, name)))
+        for name in ("n", "top_k", "min_tokens", "seed", "max_tokens", "logprobs"):
+            if getattr(self, name) is not None or name in ("n", "top_k", "min_tokens"):
+                setattr(self, name, _int(name, getattr(self, name)))
         _int("n", self.n, lo=1)
         if self.n != 1:
             raise ValueError(f"n={self.n}: llmopt returns one completion per request (n=1); "
@@ -59,17 +66,13 @@ class SamplingParams:
         _real("temperature", self.temperature, lo=0.0)
         if self.temperature > MAX_TEMPERATURE:
             raise ValueError(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature}")
-        _real("top_p", self.top_p)
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        _int("top_k", self.top_k)
         if self.top_k < -1:
             raise ValueError(f"top_k must be -1 or 0 (off) or a positive integer, got {self.top_k}")
-        _real("min_p", self.min_p)
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.seed is not None:
-            _int("seed", self.seed)
             if not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]:
                 raise ValueError(f"seed must be in [-2**63, 2**64) (what torch.Generator takes), got {self.seed}")
         if self.max_tokens is not None:
@@ -91,7 +94,7 @@ class SamplingParams:
         ids = _list("stop_token_ids", self.stop_token_ids, "token ids")
         if not all(isinstance(t, Integral) and not isinstance(t, bool) and t >= 0 for t in ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
-        self.stop_token_ids = ids
+        self.stop_token_ids = [int(t) for t in ids]
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise TypeError("structured_outputs must be a StructuredOutputsParams (json=, regex=, choice=, "
                             f"grammar= or json_object=True), got {type(self.structured_outputs).__name__}")
@@ -115,17 +118,26 @@ def _list(name, value, what) -> list:
     return list(value)
 
 
-def _int(name, value, lo=None):
+def _int(name, value, lo=None) -> int:
+    """`value` as a plain int (numpy's integers too), or a TypeError / ValueError naming `name`."""
     if isinstance(value, bool) or not isinstance(value, Integral):
         raise TypeError(f"{name} must be an integer, got {value!r}")
+    value = int(value)
     if lo is not None and value < lo:
         raise ValueError(f"{name} must be >= {lo}, got {value}")
+    return value
 
 
-def _real(name, value, lo=None):
+def _real(name, value, lo=None) -> float:
+    """`value` as a plain float (a Fraction or numpy float too), or an error naming `name`."""
     if isinstance(value, bool) or not isinstance(value, Real):
         raise TypeError(f"{name} must be a number, got {value!r}")
+    try:
+        value = float(value)
+    except OverflowError:  # an int or Fraction past float's range
+        raise ValueError(f"{name} must be finite, got a number too large for a float") from None
     if value != value or value in (float("inf"), float("-inf")):
         raise ValueError(f"{name} must be finite, got {value}")
     if lo is not None and value < lo:
         raise ValueError(f"{name} must be >= {lo}, got {value}")
+    return value

@@ -2,8 +2,11 @@
 
 import json
 import shutil
+from fractions import Fraction
 
+import numpy as np
 import pytest
+import torch
 from safetensors.torch import load_file, save_file
 
 from llmopt import LLM, SamplingParams, list_models, model_path
@@ -113,6 +116,10 @@ def test_model_given_as_a_file(copy_of_tiny):
     (dict(max_model_len=100000), "max_model_len"),
     (dict(speculative_config={"method": "magic"}), "method"),
     (dict(num_kv_blocks=0), "num_kv_blocks"),
+    # each failed after the weights loaded, in Python's or torch's words
+    (dict(seed=2**70), "seed must be in"),                               # "Overflow when unpacking long long"
+    (dict(cpu_kv_cache_space=float("inf")), "cpu_kv_cache_space"),        # "cannot convert float NaN to integer"
+    (dict(dtype=torch.int64), "dtype must be"),                          # nn.Module.to's TypeError
 ])
 def test_bad_engine_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -126,6 +133,8 @@ def test_unknown_or_mistyped_engine_arguments():
         LLM(model="tiny", max_num_seqs="8")
     with pytest.raises(TypeError, match="enable_prefix_caching"):
         LLM(model="tiny", enable_prefix_caching="yes")
+    with pytest.raises(TypeError, match="tokenizer must be"):  # was "expected str, bytes or os.PathLike"
+        LLM(model="tiny", tokenizer=5)
 
 
 @pytest.mark.parametrize("kwargs,exc,match", [
@@ -152,6 +161,7 @@ def test_unknown_or_mistyped_engine_arguments():
     (dict(temperature=1e5), ValueError, "temperature must be in"),
     (dict(logprobs=21), ValueError, "logprobs must be in"),
     (dict(ignore_eos="yes"), TypeError, "ignore_eos"),
+    (dict(temperature=10**400), ValueError, "temperature must be finite"),  # past float: no OverflowError
 ])
 def test_bad_sampling_params(kwargs, exc, match):
     with pytest.raises(exc, match=match):
@@ -217,3 +227,38 @@ def test_a_kv_pool_larger_than_memory_is_refused_before_it_is_built(kwargs, matc
     with pytest.raises(ValueError, match=match):
         LLM(model="tiny", device="cpu", **kwargs)
     assert time.perf_counter() - start < 30  # loading the weights, then the check: no pool built
+
+
+def test_any_real_or_integral_number_is_served(tiny_llm):
+    """A Fraction passed the checks (it is a Real) and then failed the engine step that builds the
+    sampler's tensors ("Could not infer dtype of Fraction"); a numpy uint64 seed raised "an
+    integer is required". Each is now stored as a plain float or int."""
+    p = SamplingParams(temperature=Fraction(1, 3), top_p=Fraction(1, 2), min_p=Fraction(0),
+                       seed=np.uint64(2**64 - 1), top_k=np.int64(5), max_tokens=np.int32(3))
+    assert [type(v) for v in (p.temperature, p.top_p, p.min_p, p.seed, p.top_k, p.max_tokens)] == [
+        float, float, float, int, int, int]
+    out = tiny_llm.generate("def f():", p, use_tqdm=False)
+    assert out[0].outputs[0].finish_reason == "length" and len(out[0].outputs[0].token_ids) == 3
+
+
+def test_structured_specs_that_are_not_json_or_match_nothing(tiny_llm):
+    """Each was Python's or the compiler's words, or a request that failed inside a step."""
+    from llmopt.structured.params import StructuredOutputsParams as S
+
+    for kwargs, match in [(dict(json={"type": {"a", "b"}}), "structured_outputs.json is not a JSON schema"),
+                          (dict(json={("a",): 1}), "structured_outputs.json is not a JSON schema"),
+                          (dict(json={"type": "number", "minimum": float("nan")}), "structured_outputs.json"
+                                                                                   " is not a JSON schema")]:
+        with pytest.raises(ValueError, match=match):
+            S(**kwargs)
+    assert S(regex="a{²}").kind == "regex"  # "²" is no count ("invalid literal for int()" before)
+    before = tiny_llm.get_metrics()["num_requests"]
+    for regex in ("a{²}", r"[^\s\S]"):  # the second matches nothing: it failed in a step (a 500)
+        with pytest.raises(ValueError, match="structured_outputs.regex"):
+            tiny_llm.generate("x", SamplingParams(max_tokens=4, structured_outputs=S(regex=regex)), use_tqdm=False)
+    assert tiny_llm.get_metrics()["num_requests"] == before  # refused before anything was admitted
+    # "a" then nothing: no compile-time check sees it; the request ends with a message that says so
+    with pytest.raises(RuntimeError, match="GrammarDeadEnd: structured_outputs allows no token after"):
+        tiny_llm.generate("x", SamplingParams(max_tokens=4, structured_outputs=S(regex=r"a[^\s\S]")), use_tqdm=False)
+    assert tiny_llm.get_metrics()["kv_cache_usage_perc"] == 0.0
+    assert len(tiny_llm.generate("x", SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids) == 2

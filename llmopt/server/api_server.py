@@ -49,6 +49,7 @@ from llmopt.server.protocol import (APIError, ParsedRequest, chat_chunk, chat_re
                                     usage, usage_chunk)
 from llmopt.server.security import Security
 from llmopt.server.structured_fields import compile_for_request
+from llmopt.structured.manager import GrammarDeadEnd
 
 MAX_REQUEST_BYTES = 1 << 20  # 1 MiB of JSON is far more than any prompt max_model_len allows
 
@@ -210,6 +211,8 @@ async def _unless_client_leaves(llm: AsyncLLM, request: Request, rid: str, work)
         llm.metrics.rejected("unavailable")
         raise APIError(str(e), status=503, type="service_unavailable", headers={"Retry-After": "1"}) from None
     except RequestFailed as e:  # this request only: the engine serves the others on
+        if isinstance(e.__cause__, GrammarDeadEnd):  # its constraint, not the server, is at fault
+            raise APIError(str(e.__cause__), status=400) from None
         raise APIError(str(e), status=500, type="internal_error") from None
 
 
@@ -250,7 +253,9 @@ async def _events(llm: AsyncLLM, req: ParsedRequest, rid: str, n_prompt: int, fi
     except RequestFailed as e:  # a last chunk that says so, then the error itself
         yield _sse(chat_chunk(rid, model, created, {}, "error") if chat
                    else completion_chunk(rid, model, created, "", "error"))
-        yield _sse(APIError(str(e), status=500, type="internal_error").to_dict())
+        bad = isinstance(e.__cause__, GrammarDeadEnd)  # the request's constraint is at fault
+        yield _sse(APIError(str(e.__cause__) if bad else str(e), status=400 if bad else 500,
+                            type="invalid_request_error" if bad else "internal_error").to_dict())
     except Exception as e:  # the headers are sent: the error can only travel as an event
         yield _sse(APIError(f"internal error: {type(e).__name__}: {e}", status=500, type="internal_error").to_dict())
     else:

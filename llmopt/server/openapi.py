@@ -51,7 +51,8 @@ def request_schemas(model: str, max_model_len: int, vocab_size: int, priority_sc
         "n": _only(1),
         "stream": _optional({"type": "boolean"}),
         "stream_options": _optional({"type": "object", "additionalProperties": False, "properties": {
-            "include_usage": _optional({"type": "boolean"}), "continuous_usage_stats": {}}}),
+            "include_usage": _optional({"type": "boolean"}),
+            "continuous_usage_stats": _optional({"type": "boolean"})}}),
         "ignore_eos": _optional({"type": "boolean"}),
         "skip_special_tokens": _optional({"type": "boolean"}),
         "include_stop_str_in_output": _optional({"type": "boolean"}),

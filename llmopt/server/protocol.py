@@ -211,9 +211,12 @@ def _sampling(body: dict, max_tokens_field: str = "max_tokens", default_max_toke
         if unknown:
             raise APIError(f"'stream_options' has an unknown key {unknown[0]!r}; allowed: include_usage",
                            param="stream_options")
-        include_usage = stream_options.get("include_usage", False)
-        if not isinstance(include_usage, bool):
-            raise APIError("'stream_options.include_usage' must be true or false", param="stream_options")
+        # continuous_usage_stats (vLLM's) is accepted and not acted on, but still a boolean:
+        # "continuous_usage_stats": "x" passed unchecked. null is absent, as the schema says.
+        for key in ("include_usage", "continuous_usage_stats"):
+            if stream_options.get(key) is not None and not isinstance(stream_options[key], bool):
+                raise APIError(f"'stream_options.{key}' must be true or false", param="stream_options")
+        include_usage = stream_options.get("include_usage") or False
     priority = _get(body, "priority", _is_int, "an integer (lower is served first)", 0)
     _get(body, "user", lambda v: isinstance(v, str), "a string")
     try:  # checked above field by field; this only backs that up: a 400, never a 500

@@ -22,6 +22,10 @@ from llmopt.structured.matcher import RequestGrammar, batch_bitmask
 PENDING_WAIT_S = 0.02  # how long a step with nothing else to run waits for a compile
 
 
+class GrammarDeadEnd(ValueError):
+    """The constraint reached a state where no token is allowed: a bad request (HTTP 400)."""
+
+
 class StructuredOutputManager:
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids, enable_jump_forward: bool = True):
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
@@ -115,7 +119,15 @@ class StructuredOutputManager:
         input: that request alone ends with finish_reason "error"."""
         if seq.grammar.accept(token_id):
             return True
-        seq.error = RuntimeError(f"the grammar refused token {token_id} that the engine appended")
+        if not seq.grammar.allows_a_token():
+            # bad input, not a bug: the spec leads where nothing may follow (the regex
+            # "a[^\s\S]" after its "a"); xgrammar cannot tell at compile time
+            seq.error = GrammarDeadEnd(
+                f"structured_outputs allows no token after the {len(seq.output_token_ids)} tokens generated "
+                "so far: the constraint can never be completed (an empty character class or "
+                "contradictory schema?)")
+        else:
+            seq.error = RuntimeError(f"the grammar refused token {token_id} that the engine appended")
         seq.finish("error", None)
         return False
 

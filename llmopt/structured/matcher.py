@@ -66,6 +66,17 @@ class RequestGrammar:
         if taken:
             self.matcher.rollback(taken)
 
+    def allows_a_token(self) -> bool:
+        """Whether any token (a stop token included) may come next; a grammar that has ended
+        is not stuck (the request stops at its stop token)."""
+        if self.matcher.is_terminated():
+            return True
+        import xgrammar as xgr
+
+        mask = xgr.allocate_token_bitmask(1, self.vocab_size)
+        self.matcher.fill_next_token_bitmask(mask, 0)
+        return bool(unpack_bitmask(mask, self.vocab_size).any())
+
     def only_stop_allowed(self) -> bool:
         """Whether the grammar is complete and nothing but a stop token may follow."""
         if not self.matcher.is_completed() or self.matcher.is_terminated():

@@ -84,8 +84,13 @@ def _check(kind: str, value) -> str:
         if not isinstance(value, (dict, bool)):
             raise TypeError(f"{name} must be a JSON schema (an object, or its text), got {type(value).__name__}")
         check_schema_size(name, value)
-        # the keys keep their order: the grammar writes properties in the order they are declared
-        text = json.dumps(value, separators=(",", ":"))
+        # the keys keep their order: the grammar writes properties in the order they are declared.
+        # Not JSON (a set, a tuple key; NaN, which json.dumps writes but no JSON parser takes):
+        # an error naming the field, not json's own words or the compiler's parse error
+        try:
+            text = json.dumps(value, separators=(",", ":"), allow_nan=False)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{name} is not a JSON schema: {e}") from None
         _size(name, text)
         return text
     if kind == "choice":
@@ -171,4 +176,10 @@ def check_regex_size(name: str, regex: str) -> None:
 def _is_count(text: str) -> bool:
     """The inside of `{n}`, `{n,}` or `{n,m}`."""
     parts = [b.strip() for b in text.split(",")]
-    return 1 <= len(parts) <= 2 and parts[0].isdigit() and all(b.isdigit() or not b for b in parts)
+    # ASCII digits only: str.isdigit() takes "²", which int() then refused with a bare
+    # "invalid literal for int()"; a regex counts in ASCII digits only
+    return 1 <= len(parts) <= 2 and _digits(parts[0]) and all(_digits(b) or not b for b in parts)
+
+
+def _digits(text: str) -> bool:
+    return text.isascii() and text.isdigit()

@@ -99,6 +99,11 @@ BAD_INPUT = [  # (endpoint, raw body, param): each answered 500 with the excepti
      + LONE + '"}]}]}', "messages[0].content"),
     ("completions", '{"model": "tiny", "prompt": "hi", "temperature": 1' + "0" * 400 + "}", "temperature"),
     ("completions", '{"model": "tiny", "prompt": "hi", "min_tokens": 1, "stop_token_ids": [4096]}', "stop_token_ids"),
+    # a regex that matches nothing compiled, then failed its request in a step: a 500
+    ("completions", json.dumps({"model": "tiny", "prompt": "hi", "structured_outputs": {"regex": r"[^\s\S]"}}),
+     "structured_outputs"),
+    ("completions", json.dumps({"model": "tiny", "prompt": "hi", "structured_outputs": {"regex": "a{²}"}}),
+     "structured_outputs"),  # was 400 "invalid literal for int() with base 10: '²'"
 ]
 
 
@@ -106,6 +111,26 @@ BAD_INPUT = [  # (endpoint, raw body, param): each answered 500 with the excepti
 def test_bad_input_is_a_400_naming_the_field(server, endpoint, body, param):
     assert_error(post(server, body, endpoint), 400, param)
     still_serves(server)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_constraint_that_leads_nowhere_is_a_400_and_the_others_go_on(server, stream):
+    """The regex "a[^\\s\\S]" compiles and allows "a", then nothing at all: the request failed in
+    a step as an internal error (500) with "the grammar refused token 0". It is the request's
+    fault, and the answer (or the stream's error event) now says so."""
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 4, "stream": stream,
+            "structured_outputs": {"regex": r"a[^\s\S]"}}
+    r = post(server, body)
+    if stream:
+        events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+        assert events[-2]["choices"][0]["finish_reason"] == "error"
+        error = events[-1]["error"]
+        assert r.text.rstrip().endswith("data: [DONE]")
+    else:
+        error = assert_error(r, 400, None)
+    assert error["type"] == "invalid_request_error" and "can never be completed" in error["message"]
+    still_serves(server)
+    assert wait_idle(server)["llmopt:kv_cache_usage_perc"] == 0.0
 
 
 def test_a_top_k_past_int64_is_served_as_off(server):

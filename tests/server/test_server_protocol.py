@@ -44,6 +44,8 @@ def test_chat_messages_and_defaults():
     ({"model": "tiny", "prompt": "x", "max_tokens": True}, "max_tokens", 400),
     ({"model": "tiny", "prompt": "x", "min_tokens": 20}, "min_tokens", 400),
     ({"model": "tiny", "prompt": "x", "stream": True, "stream_options": {"usage": True}}, "stream_options", 400),
+    ({"model": "tiny", "prompt": "x", "stream": True, "stream_options": {"continuous_usage_stats": "x"}},
+     "stream_options", 400),  # passed unchecked
     ({"model": "tiny", "prompt": ["a", "b"]}, "prompt", 400),
     ({"model": "tiny", "prompt": [1, "a"]}, "prompt", 400),
     ({"model": 5, "prompt": "x"}, "model", 400),
