@@ -95,6 +95,43 @@ def test_unsupported_rope_type(copy_of_tiny):
         LLM(model=str(copy_of_tiny))
 
 
+@pytest.mark.parametrize("change, match", [
+    # each failed in Python's or torch's words (or loaded a broken model), naming no field
+    (dict(num_attention_heads=0), "num_attention_heads must be an integer >= 1, got 0"),   # loaded, then shape error
+    (dict(hidden_size=-384), "hidden_size must be an integer >= 1"),                       # negative dimension
+    (dict(hidden_size=None), "lacks the field 'hidden_size'"),                              # int(None)
+    (dict(vocab_size=float("nan")), "vocab_size must be an integer"),                       # cannot convert NaN
+    (dict(num_hidden_layers=0), "num_hidden_layers must be an integer in 1..4096"),          # loaded with no layers
+    (dict(num_hidden_layers=10**9), "num_hidden_layers must be an integer in 1..4096"),      # MemoryError
+    (dict(num_hidden_layers=7), "num_hidden_layers=7.*6 layers"),                           # built, then missing
+    (dict(hidden_size=10**9), "config implies .* weights but the checkpoint holds"),        # asked for 16 TB
+    (dict(vocab_size=10**12), "vocab_size 1000000000000"),
+    (dict(max_position_embeddings=10**12), "max_position_embeddings must be an integer in 1..4194304"),
+    (dict(head_dim=63), "head_dim must be even"),
+    (dict(rms_norm_eps=-1), "rms_norm_eps must be a finite number > 0"),                  # loaded
+    (dict(rope_parameters={"rope_theta": float("nan")}), "rope_theta must be a finite number > 0"),
+    (dict(rope_parameters=[1, 2]), "rope_parameters must be an object"),                    # TypeError
+    (dict(rope_parameters={"rope_type": "linear"}), "linear rope_scaling: factor"),         # KeyError 'factor'
+    (dict(rope_parameters={"rope_type": "llama3", "factor": 8.0}), "low_freq_factor"),      # KeyError
+    (dict(sliding_window=16, layer_types=["sliding_attention"]), "layer_types must list 6"),  # IndexError
+    (dict(eos_token_id={"a": 1}), "eos_token_id must be a token id"),                       # TypeError
+    (dict(architectures=[["LlamaForCausalLM"]]), "is not supported"),                        # unhashable list
+])
+def test_hostile_config_fields_are_named_before_loading(copy_of_tiny, change, match):
+    cfg = json.loads((copy_of_tiny / "config.json").read_text())
+    cfg.update(change)
+    (copy_of_tiny / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=match):
+        load_model(copy_of_tiny)
+
+
+@pytest.mark.parametrize("text", ["[1, 2, 3]", "null", "[" * 100_000 + "]" * 100_000])
+def test_config_json_that_is_not_an_object(copy_of_tiny, text):
+    (copy_of_tiny / "config.json").write_text(text)  # was AttributeError / RecursionError
+    with pytest.raises(ValueError, match="config.json (must hold a JSON object|is not valid JSON)"):
+        load_model(copy_of_tiny)
+
+
 def test_model_given_as_a_file(copy_of_tiny):
     with pytest.raises(ValueError, match="is a file"):
         LLM(model=str(copy_of_tiny / "config.json"))

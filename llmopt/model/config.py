@@ -8,6 +8,7 @@ transformers 4.x and 5.x spell RoPE), so the model code never branches on names.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -68,64 +69,111 @@ class ModelConfig:
                              "model folder needs config.json and model.safetensors")
         try:
             raw = json.loads(path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ValueError(f"{path} is not valid JSON: {e}") from None
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:  # "[[[[..." nested past the stack
+            raise ValueError(f"{path} is not valid JSON: {type(e).__name__}: {e}") from None
+        if not isinstance(raw, dict):  # a list or a string is JSON too, but not a config
+            raise ValueError(f"{path} must hold a JSON object of the model's fields, got {type(raw).__name__}")
         return cls.from_hf(raw, source=str(path))
 
     @classmethod
     def from_hf(cls, c: dict, source: str = "config.json") -> "ModelConfig":
         archs = c.get("architectures") or []
-        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        arch = next((a for a in archs if isinstance(a, str) and a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
             raise ValueError(f"{source}: architecture {archs or c.get('model_type')!r} is not "
                              f"supported; llmopt loads {', '.join(SUPPORTED_ARCHITECTURES)}")
         family = SUPPORTED_ARCHITECTURES[arch]
-        try:
-            hidden, heads = int(c["hidden_size"]), int(c["num_attention_heads"])
-            kv_heads = int(c.get("num_key_value_heads") or heads)
-            head_dim = int(c.get("head_dim") or hidden // heads)
-            if family == "deepseek_v3":  # a query/key head: its no-RoPE part plus its RoPE part
-                head_dim = int(c["qk_nope_head_dim"]) + int(c["qk_rope_head_dim"])
-            layers = int(c["num_hidden_layers"])
-            cfg = cls(
-                architecture=arch, vocab_size=int(c["vocab_size"]), hidden_size=hidden,
-                intermediate_size=int(c["intermediate_size"]), num_hidden_layers=layers,
-                num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
-                max_position_embeddings=int(c.get("max_position_embeddings", 2048)),
-                rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
-                tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
-                qkv_bias=family == "qwen2" or bool(c.get("attention_bias", False)),
-                o_bias=family in ("llama", "deepseek_v3") and bool(c.get("attention_bias", False)),
-                mlp_bias=bool(c.get("mlp_bias", False)),
-                bos_token_id=c.get("bos_token_id"),
-                eos_token_ids=_as_list(c.get("eos_token_id")),
-                torch_dtype=c.get("dtype") or c.get("torch_dtype"),
-                quantization_config=c.get("quantization_config"),
-            )
-        except KeyError as e:
-            raise ValueError(f"{source} lacks the field {e.args[0]!r}") from None
+        # Every size is checked (an integer in range) before anything divides by it or allocates
+        # by it: a zero, negative, NaN or string field failed deep in torch, or loaded a broken model.
+        hidden, heads = _int(c, "hidden_size", source), _int(c, "num_attention_heads", source)
+        kv_heads = _int(c, "num_key_value_heads", source, default=heads)
+        head_dim = _int(c, "head_dim", source, default=hidden // heads)
+        if family == "deepseek_v3":  # a query/key head: its no-RoPE part plus its RoPE part
+            head_dim = _int(c, "qk_nope_head_dim", source, low=0) + _int(c, "qk_rope_head_dim", source)
+        elif head_dim % 2:
+            raise ValueError(f"{source}: head_dim must be even (RoPE rotates pairs), got {head_dim}")
+        layers = _int(c, "num_hidden_layers", source, high=MAX_LAYERS)
+        cfg = cls(
+            architecture=arch, vocab_size=_int(c, "vocab_size", source), hidden_size=hidden,
+            intermediate_size=_int(c, "intermediate_size", source), num_hidden_layers=layers,
+            num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+            max_position_embeddings=_int(c, "max_position_embeddings", source, default=2048,
+                                         high=MAX_POSITIONS),
+            rms_norm_eps=_float(c, "rms_norm_eps", source, 1e-6),
+            tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+            qkv_bias=family == "qwen2" or bool(c.get("attention_bias", False)),
+            o_bias=family in ("llama", "deepseek_v3") and bool(c.get("attention_bias", False)),
+            mlp_bias=bool(c.get("mlp_bias", False)),
+            bos_token_id=c.get("bos_token_id"),
+            eos_token_ids=_as_list(c.get("eos_token_id"), source),
+            torch_dtype=c.get("dtype") or c.get("torch_dtype"),
+            quantization_config=c.get("quantization_config"),
+        )
         if c.get("hidden_act", "silu") != "silu":
             raise ValueError(f"{source}: hidden_act {c['hidden_act']!r} is not supported (only 'silu')")
         if heads % kv_heads:
             raise ValueError(f"{source}: num_attention_heads ({heads}) must be a multiple of "
                              f"num_key_value_heads ({kv_heads})")
         cfg.rope_theta, cfg.rope_scaling = _rope(c, source, family)
-        cfg.sliding_windows = _sliding_windows(c, family, layers)
+        cfg.sliding_windows = _sliding_windows(c, family, layers, source)
         if family == "deepseek_v3":
-            cfg.mla, cfg.moe = _deepseek(c, cfg, source)
+            try:
+                cfg.mla, cfg.moe = _deepseek(c, cfg, source)
+            except KeyError as e:
+                raise ValueError(f"{source} lacks the field {e.args[0]!r}") from None
         return cfg
 
 
-def _as_list(x) -> list[int]:
+# RotaryEmbedding builds cos / sin tables for every position up front: 2**22 positions (4x the
+# longest context of a supported model, Qwen2.5-1M) is already gigabytes; 10**12 was an allocation error.
+MAX_POSITIONS = 1 << 22
+# 10**9 layers ran out of memory listing their sliding windows; the deepest released models have ~130.
+# (The loader also holds num_hidden_layers to the layers the checkpoint has, before building any.)
+MAX_LAYERS = 4096
+_REQUIRED = object()
+
+
+def _int(c: dict, key: str, source: str, default=_REQUIRED, low: int = 1, high: int | None = None) -> int:
+    """c[key] as an int in [low, high]; a missing or null field takes `default` (else: lacks the field)."""
+    value = c.get(key)
+    if value is None:
+        if default is _REQUIRED:
+            raise ValueError(f"{source} lacks the field {key!r}")
+        value = default  # checked too: head_dim's default, hidden_size // heads, may be 0
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if not isinstance(value, int) or isinstance(value, bool) or value < low or (high is not None and value > high):
+        allowed = f"an integer >= {low}" if high is None else f"an integer in {low}..{high}"
+        raise ValueError(f"{source}: {key} must be {allowed}, got {value!r}")
+    return value
+
+
+def _float(c: dict, key: str, source: str, default: float) -> float:
+    """c[key] as a finite float > 0 (rms_norm_eps, rope_theta, a RoPE scaling factor)."""
+    value = c.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise ValueError(f"{source}: {key} must be a finite number > 0, got {value!r}")
+    return float(value)
+
+
+def _as_list(x, source: str = "config.json") -> list[int]:
     if x is None:
         return []
-    return [int(v) for v in x] if isinstance(x, (list, tuple)) else [int(x)]
+    values = list(x) if isinstance(x, (list, tuple)) else [x]
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+        raise ValueError(f"{source}: eos_token_id must be a token id or a list of them (integers >= 0), got {x!r}")
+    return values
 
 
 def _rope(c: dict, source: str, family: str = "llama") -> tuple[float, dict | None]:
     """transformers 5 writes `rope_parameters`; older configs `rope_theta` + `rope_scaling`."""
+    for key in ("rope_parameters", "rope_scaling"):
+        if not isinstance(c.get(key) or {}, dict):
+            raise ValueError(f"{source}: {key} must be an object such as {{\"rope_type\": \"linear\", "
+                             f"\"factor\": 2.0}}, got {c[key]!r}")
     params = dict(c.get("rope_parameters") or {})
-    theta = float(params.pop("rope_theta", c.get("rope_theta", 10000.0)))
+    theta = _float(params if "rope_theta" in params else c, "rope_theta", source, 10000.0)
+    params.pop("rope_theta", None)
     scaling = params or dict(c.get("rope_scaling") or {})
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     allowed = SUPPORTED_ROPE_TYPES + (("yarn",) if family in YARN_ARCHITECTURES else ())
@@ -136,20 +184,33 @@ def _rope(c: dict, source: str, family: str = "llama") -> tuple[float, dict | No
         return theta, None
     scaling["rope_type"] = rope_type
     scaling.setdefault("original_max_position_embeddings", c.get("max_position_embeddings"))
+    # the numbers RotaryEmbedding divides by: a missing one was a KeyError, a string a TypeError
+    needed = {"linear": ("factor",), "yarn": ("factor",),
+              "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+    for key in needed[rope_type]:
+        _float(scaling, key, f"{source}: {rope_type} rope_scaling", None)
+    if rope_type == "llama3" and not scaling["low_freq_factor"] < scaling["high_freq_factor"]:
+        raise ValueError(f"{source}: llama3 rope_scaling needs low_freq_factor < high_freq_factor, got "
+                         f"{scaling['low_freq_factor']} and {scaling['high_freq_factor']}")
     return theta, scaling
 
 
-def _sliding_windows(c: dict, family: str, layers: int) -> list[int | None]:
+def _sliding_windows(c: dict, family: str, layers: int, source: str = "config.json") -> list[int | None]:
     window = c.get("sliding_window")
     if family == "qwen2" and not c.get("use_sliding_window", False):
         window = None
     if window is None:
         return [None] * layers
+    window = _int(c, "sliding_window", source)
     types = c.get("layer_types")
     if types is None:
-        first = int(c.get("max_window_layers", 0)) if family == "qwen2" else 0
+        first = _int(c, "max_window_layers", source, default=0, low=0) if family == "qwen2" else 0
         types = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
-    return [int(window) if t == "sliding_attention" else None for t in types]
+    kinds = ("sliding_attention", "full_attention")
+    if not isinstance(types, list) or len(types) != layers or any(t not in kinds for t in types):
+        raise ValueError(f"{source}: layer_types must list {layers} entries (one per layer), each one of "
+                         f"{', '.join(kinds)}; got {types!r}")
+    return [window if t == "sliding_attention" else None for t in types]
 
 
 def _deepseek(c: dict, cfg: ModelConfig, source: str) -> tuple[MLAConfig, MoEConfig]:

@@ -105,6 +105,8 @@ def gguf_hf_config(path: str | Path) -> dict:
         return value
 
     hidden, heads = int(need("embedding_length")), int(need("attention.head_count"))
+    if heads < 1:  # checked here, before head_dim's default divides by it (a ZeroDivisionError)
+        raise ValueError(f"GGUF file {path}: {arch}.attention.head_count must be >= 1, got {heads}")
     head_dim = int(_field(r, f"{arch}.attention.key_length", hidden // heads))
     rotated = int(_field(r, f"{arch}.rope.dimension_count", head_dim))
     if rotated != head_dim:
@@ -149,6 +151,25 @@ def gguf_hf_config(path: str | Path) -> dict:
     return config
 
 
+def tensor_elements(path: str | Path) -> dict[str, int]:
+    """Each tensor's element count, from the file's header (no tensor is dequantized)."""
+    return {t.name: int(t.n_elements) for t in _reader(str(path)).tensors}
+
+
+def expected_shapes(config: dict) -> dict[str, tuple[int, ...]]:
+    """Each tensor's (Hugging Face) shape as the header's sizes imply, by name (layer prefix dropped)."""
+    hidden, inter, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
+    q, kv = config["num_attention_heads"] * config["head_dim"], config["num_key_value_heads"] * config["head_dim"]
+    return {"model.embed_tokens.weight": (vocab, hidden), "lm_head.weight": (vocab, hidden),
+            "model.norm.weight": (hidden,), "input_layernorm.weight": (hidden,),
+            "post_attention_layernorm.weight": (hidden,),
+            "self_attn.q_proj.weight": (q, hidden), "self_attn.k_proj.weight": (kv, hidden),
+            "self_attn.v_proj.weight": (kv, hidden), "self_attn.o_proj.weight": (hidden, q),
+            "self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,),
+            "mlp.gate_proj.weight": (inter, hidden), "mlp.up_proj.weight": (inter, hidden),
+            "mlp.down_proj.weight": (hidden, inter)}
+
+
 def unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     """Undo llama.cpp's permutation of Q / K rows: per head, its converter interleaves the two
     halves (rows 0..d/2-1 and d/2..d-1) into pairs; this puts each half back together."""
@@ -177,8 +198,17 @@ def iter_gguf(path: str | Path, config: dict | None = None):
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
         raise ValueError(f"GGUF file {path} lacks the tensor {', '.join(missing[:3])}{more}")
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    shapes = expected_shapes(config)
     for gguf_name, hf_name in expected.items():
         t = tensors[gguf_name]
+        # Checked on the header's shape, before dequantizing: a Q / K tensor of the wrong rows failed
+        # in unpermute_rope_rows as a bare torch reshape error naming no tensor.
+        shape = tuple(int(n) for n in reversed(t.shape))   # GGUF lists dimensions innermost first
+        layer_part = hf_name.removeprefix("model.layers.")
+        want = shapes[layer_part.split(".", 1)[1] if layer_part != hf_name else hf_name]
+        if shape != want:
+            raise ValueError(f"GGUF file {path}: tensor {gguf_name!r} has shape {shape}; the header's "
+                             f"{config['model_type']}.* sizes imply {want}")
         try:
             array = dequantize(t.data, t.tensor_type)
         except (NotImplementedError, ValueError) as e:

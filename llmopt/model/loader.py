@@ -13,6 +13,8 @@ checkpoint's linear layers right after loading it.
 from __future__ import annotations
 
 import json
+import math
+import re
 from pathlib import Path
 
 import torch
@@ -24,7 +26,7 @@ from safetensors import safe_open
 
 from llmopt.layers.rotary import RotaryEmbedding
 from llmopt.model.config import ModelConfig
-from llmopt.model.gguf import is_gguf, iter_gguf, load_gguf_tokenizer
+from llmopt.model.gguf import is_gguf, iter_gguf, load_gguf_tokenizer, tensor_elements
 from llmopt.model.llama import LlamaForCausalLM
 
 
@@ -62,6 +64,43 @@ def iter_checkpoint(files: list[Path]):
                     raise ValueError(f"checkpoint file {f}: tensor {name!r} is unreadable ({e})") from None
 
 
+def stored_elements(files: list[Path]) -> dict[str, int]:
+    """Each tensor's element count, from the safetensors headers alone (no tensor is read)."""
+    counts = {}
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as handle:
+                for name in handle.keys():
+                    counts[name] = math.prod(handle.get_slice(name).get_shape())
+        except Exception as e:
+            raise ValueError(f"checkpoint file {f} is corrupt or not safetensors ({e})") from None
+    return counts
+
+
+def check_layer_count(cfg: ModelConfig, stored: dict[str, int], source: str) -> None:
+    """config.json's num_hidden_layers against the layers the checkpoint holds, before the model is
+    built: num_hidden_layers=10**9 built modules until memory ran out (a MemoryError, or a hang)."""
+    found = {int(m.group(1)) for name in stored if (m := re.match(r"(?:model\.layers|blk)\.(\d+)\.", name))}
+    held = max(found) + 1 if found else 0
+    if cfg.num_hidden_layers > held:
+        raise ValueError(f"{source}: config says num_hidden_layers={cfg.num_hidden_layers}, but the checkpoint "
+                         f"holds the tensors of {held} layers; num_hidden_layers must be at most {held}")
+
+
+def check_weight_count(model, stored: dict[str, int], source: str) -> None:
+    """The model's parameters (on meta: counted, not allocated) against the checkpoint's, before any
+    memory is allocated: hidden_size=10**9 asked torch for 16 TB. A checkpoint holds at least as many
+    values as the model it loads into; the slack allows tied heads and 4-bit packing."""
+    tied = model.config.tie_word_embeddings
+    implied = sum(p.numel() for n, p in model.named_parameters() if not (tied and n == "lm_head.weight"))
+    held = sum(stored.values())
+    if implied > 4 * held + (1 << 20):
+        c = model.config
+        raise ValueError(f"{source}: config implies {implied:,} weights but the checkpoint holds {held:,}; "
+                         f"its sizes (vocab_size {c.vocab_size}, hidden_size {c.hidden_size}, intermediate_size "
+                         f"{c.intermediate_size}, num_hidden_layers {c.num_hidden_layers}) must match the weights")
+
+
 def load_model(folder: str | Path, dtype: torch.dtype = torch.float32,
                device: str | torch.device = "cpu", quantization: str | None = None) -> LlamaForCausalLM:
     """A Hugging Face folder (safetensors) or a GGUF file -> the decoder, weights loaded."""
@@ -77,8 +116,11 @@ def load_model(folder: str | Path, dtype: torch.dtype = torch.float32,
         scheme = quant_scheme(cfg, quantization, folder)
     if is_gguf(folder):  # dequantized on the way in; read before any memory is allocated
         weights = iter_gguf(folder)
+        stored = tensor_elements(folder)
     else:
-        weights = iter_checkpoint(safetensors_files(folder))
+        files = safetensors_files(folder)
+        weights, stored = iter_checkpoint(files), stored_elements(files)
+    check_layer_count(cfg, stored, str(folder))
     # Build on the meta device (no memory, no random init), then allocate for real.
     with torch.device("meta"):
         model = model_class(cfg)(cfg)
@@ -87,6 +129,8 @@ def load_model(folder: str | Path, dtype: torch.dtype = torch.float32,
         # int32 / fp16 / fp8 tensors keep the dtypes the checkpoint stores
         model = model.to(dtype)
         use_quantized_linears(model, scheme, dtype)
+    check_weight_count(model, stored, str(folder))
+    if scheme is not None and scheme.serialized:
         model = model.to_empty(device=device)
     else:
         model = model.to_empty(device=device).to(dtype)

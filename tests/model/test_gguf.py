@@ -28,9 +28,12 @@ GGUF_NAMES = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "sel
               "mlp.down_proj": "ffn_down"}
 
 
-def write_gguf(path, arch="llama", drop=(), truncate_to=None):
+def write_gguf(path, arch="llama", drop=(), truncate_to=None, shrink=(), **meta):
     folder = model_path("tiny")
     cfg = ModelConfig.from_pretrained(folder)
+    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads  # the weights' own, for the permutation
+    for key, value in meta.items():  # a header size changed: num_attention_heads=0, ...
+        setattr(cfg, key, value)
     w = GGUFWriter(str(path), arch)
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
@@ -54,9 +57,11 @@ def write_gguf(path, arch="llama", drop=(), truncate_to=None):
             module, leaf = rest.rsplit(".", 1)
             gname = f"blk.{layer}.{GGUF_NAMES[module]}.{leaf}"
             if module == "self_attn.q_proj":
-                a = llama_cpp_permute(a, cfg.num_attention_heads)
+                a = llama_cpp_permute(a, heads)
             elif module == "self_attn.k_proj":
-                a = llama_cpp_permute(a, cfg.num_key_value_heads)
+                a = llama_cpp_permute(a, kv_heads)
+        if gname in shrink:
+            a = a[:-64]
         if gname not in drop:
             w.add_tensor(gname, np.ascontiguousarray(a))
     w.write_header_to_file()
@@ -104,6 +109,20 @@ def test_bad_gguf_files_are_refused_clearly(tmp_path, kind, match):
         write_gguf(path, truncate_to=0.5)
     else:
         path.write_bytes(b"PK\x03\x04 this is a zip file")
+    with pytest.raises(ValueError, match=match) as e:
+        load_model(path)
+    assert str(path) in str(e.value)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(num_attention_heads=0), "llama.attention.head_count must be >= 1"),   # ZeroDivisionError
+    (dict(num_hidden_layers=0), "num_hidden_layers must be an integer in 1..4096"),   # loaded with no layers
+    (dict(num_hidden_layers=100), "num_hidden_layers=100.*6 layers"),
+    (dict(hidden_size=10**9), "config implies .* weights but the checkpoint holds"),   # asked for 16 EB
+    (dict(shrink=("blk.0.attn_q.weight",)), r"'blk.0.attn_q.weight' has shape \(320, 384\).*imply \(384, 384\)"),
+])
+def test_gguf_header_sizes_that_do_not_fit_are_named(tmp_path, kwargs, match):
+    path = write_gguf(tmp_path / "bad.gguf", **kwargs)  # the Q row error was a bare torch reshape error
     with pytest.raises(ValueError, match=match) as e:
         load_model(path)
     assert str(path) in str(e.value)
