@@ -13,7 +13,7 @@ import argparse
 import json
 import sys
 
-from llmopt.bench.flags import add_bench_flags
+from llmopt.bench.flags import add_bench_flags, check_bench_flags
 from llmopt.engine_args import add_engine_flags, engine_kwargs
 from llmopt.quant.gguf_write import QTYPES as GGUF_QTYPES
 from llmopt.server.security import Security, add_security_flags
@@ -100,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "chat":
             return _chat(args)
         if args.command == "bench":
+            check_bench_flags(args)
             if args.url:
                 from llmopt.bench.load import bench_url
 

@@ -299,3 +299,48 @@ def test_structured_specs_that_are_not_json_or_match_nothing(tiny_llm):
         tiny_llm.generate("x", SamplingParams(max_tokens=4, structured_outputs=S(regex=r"a[^\s\S]")), use_tqdm=False)
     assert tiny_llm.get_metrics()["kv_cache_usage_perc"] == 0.0
     assert len(tiny_llm.generate("x", SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids) == 2
+
+
+def _retyped(tensor, how):
+    return {"int8": lambda t: t.to(torch.int8), "bool": lambda t: t > 0, "complex": lambda t: t.to(torch.complex64),
+            "nan": lambda t: t.clone().fill_(float("nan")), "inf": lambda t: t.clone().fill_(float("inf"))}[how](tensor)
+
+
+@pytest.mark.parametrize("how, match", [
+    # each loaded: int8 / bool cast silently, complex lost its imaginary part, NaN / inf sampled garbage
+    ("int8", "model.norm.weight' is torch.int8; a dense weight must be float16"),
+    ("bool", "model.norm.weight' is torch.bool"),
+    ("complex", "model.norm.weight' is torch.complex64"),
+    ("nan", "model.norm.weight' holds NaN or infinite values"),
+    ("inf", "model.norm.weight' holds NaN or infinite values"),
+])
+def test_weights_that_are_not_finite_floats_are_named(copy_of_tiny, how, match):
+    f = copy_of_tiny / "model.safetensors"
+    tensors = load_file(f)
+    tensors["model.norm.weight"] = _retyped(tensors["model.norm.weight"], how)
+    save_file(tensors, f)
+    with pytest.raises(ValueError, match=match):
+        load_model(copy_of_tiny)
+
+
+@pytest.mark.parametrize("weight_map, match", [
+    ("[1, 2]", "must be a JSON object whose \"weight_map\""),                 # TypeError
+    ('{"weight_map": [1]}', "must be a JSON object whose \"weight_map\""),    # AttributeError
+    ('{"weight_map": {"a": 3}}', r"weight_map\['a'\] is 3"),                   # TypeError
+    ('{"weight_map": {"a": "/etc/passwd"}}', r"weight_map\['a'\] is '/etc/passwd'"),  # read outside the folder
+    ('{"weight_map": {"a": "../x.safetensors"}}', "must be the name of a .safetensors file"),
+    ("DUPLICATE", "stored twice"),                                              # the last shard read won
+])
+def test_hostile_shard_index(copy_of_tiny, weight_map, match):
+    f = copy_of_tiny / "model.safetensors"
+    tensors = load_file(f)
+    f.unlink()
+    names = sorted(tensors)
+    save_file({n: tensors[n] for n in names[:5]}, copy_of_tiny / "a.safetensors")
+    save_file({n: tensors[n] for n in names[4:]}, copy_of_tiny / "b.safetensors")  # names[4] in both
+    if weight_map == "DUPLICATE":
+        weight_map = json.dumps({"weight_map": {n: "a.safetensors" if i < 5 else "b.safetensors"
+                                                for i, n in enumerate(names)}})
+    (copy_of_tiny / "model.safetensors.index.json").write_text(weight_map)
+    with pytest.raises(ValueError, match=match):
+        load_model(copy_of_tiny)

@@ -63,3 +63,25 @@ def test_non_editable_install_ships_the_kernels_and_models(tmp_path):
     assert r.returncode == 0, r.stderr
     lines = r.stdout.strip().splitlines()
     assert lines[0] == "['smollm2', 'smollm2-eagle', 'tiny', 'tiny-draft', 'tiny-eagle']" and int(lines[1]) > 1_000_000
+
+
+@pytest.mark.parametrize("args, match", [
+    # each ran the benchmark (or loaded the model) first, then ended in a traceback or Python's words
+    (["--out", "{tmp}/no/such/folder/t.md"], "--out .* must name a file in an existing folder"),  # FileNotFoundError
+    (["--json", "{tmp}"], "--json .* must name a file in an existing folder"),                  # IsADirectoryError
+    (["--threads", "-1"], "--threads must be >= 1"),                                    # torch's RuntimeError
+    (["--workload", "offline", "--num-requests", "-1"], "--num-requests must be >= 1"),
+    (["--workload", "offline", "--batch-size", "0"], "--batch-size must be >= 1"),       # range() arg 3
+    (["--workload", "offline", "--prompt-len", "50", "10"], "--prompt-len MIN MAX needs 1 <= MIN <= MAX"),
+    (["--workload", "roofline", "--bandwidth-threads", "0"], "--bandwidth-threads must be >= 1"),
+    (["--lengths", "999999999"], "--lengths 999999999 .* exceed max_model_len"),         # ran until killed
+])
+def test_bench_rejects_bad_flags_before_running(tmp_path, capsys, args, match):
+    import re
+
+    from llmopt.cli import main
+
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    assert main(["bench", "--model", "tiny", "--no-progress", "--lengths", "4", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("llmopt bench: error: ") and re.search(match, err), err

@@ -49,3 +49,32 @@ def add_bench_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-steps", type=int, default=32, help="roofline: decode steps timed per batch size")
     p.add_argument("--bandwidth-threads", type=int, nargs="+", default=[1, 2],
                    help="roofline: thread counts the machine's bandwidth is measured at")
+
+
+def check_bench_flags(args) -> None:
+    """Every `llmopt bench` flag in range, before a model is loaded: --out in a missing folder ran the
+    whole benchmark, then ended in a FileNotFoundError traceback; --threads -1 was torch's RuntimeError;
+    --batch-size 0, --prompt-len 50 10 or --num-requests -1 were Python's words from deep inside."""
+    import math
+    from pathlib import Path
+
+    for key in ("lengths", "batch_size", "batches", "spec_k", "bandwidth_threads", "spec_batch1", "decode_steps",
+                "context", "prefix_len", "num_long", "long_len", "chunk_budget", "threads", "num_requests"):
+        values = getattr(args, key, None)
+        for v in values if isinstance(values, list) else [] if values is None else [values]:
+            if v < 1:
+                raise ValueError(f"--{key.replace('_', '-')} must be >= 1, got {v}")
+    for key in ("profile_steps", "max_retries"):
+        if getattr(args, key, 0) < 0:
+            raise ValueError(f"--{key.replace('_', '-')} must be >= 0, got {getattr(args, key)}")
+    for key in ("prompt_len", "output_len"):
+        pair = getattr(args, key, None)
+        if pair is not None and not 1 <= pair[0] <= pair[1]:
+            raise ValueError(f"--{key.replace('_', '-')} MIN MAX needs 1 <= MIN <= MAX, got {pair[0]} {pair[1]}")
+    for rate in getattr(args, "request_rate", None) or []:
+        if math.isnan(rate) or rate <= 0:
+            raise ValueError(f"--request-rate must be > 0 requests/s (inf: all at once), got {rate}")
+    for key in ("out", "json"):
+        path = getattr(args, key, None)
+        if path is not None and (Path(path).is_dir() or not Path(path).resolve().parent.is_dir()):
+            raise ValueError(f"--{key} {path}: must name a file in an existing folder")

@@ -27,6 +27,10 @@ def time_generation(llm, loop, prompt_ids: list[int], n_tokens: int) -> dict:
 def kv_cache_table(llm, lengths: list[int], prompt: str = "def ", progress: bool = True,
                    command: str | None = None, load: float | None = None) -> str:
     prompt_ids = llm.tokenizer(prompt)["input_ids"]
+    # --lengths 999999999 ran the naive loop (quadratic) until killed; the prompt and tokens must fit
+    if len(prompt_ids) + max(lengths) > llm.max_model_len:
+        raise ValueError(f"--lengths {max(lengths)} and the {len(prompt_ids)}-token --prompt exceed max_model_len "
+                         f"({llm.max_model_len}); each length must be at most {llm.max_model_len - len(prompt_ids)}")
     rows = []
     items = [(n, name, loop) for n in lengths
              for name, loop in (("naive", generate_naive), ("kv-cache", generate_with_cache))]

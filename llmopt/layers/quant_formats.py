@@ -158,7 +158,7 @@ class QuantScheme:
             bits = _int(qc, "bits" if "bits" in qc else "w_bit", where)
             group = _int(qc, "group_size" if "group_size" in qc else "q_group_size", where)
             s = cls("awq", bits=bits, group_size=group, sym=not qc.get("zero_point", True),
-                    not_converted=list(qc.get("modules_to_not_convert") or []))
+                    not_converted=_names(qc, "modules_to_not_convert", where))
             if bits not in AWQ_BITS:
                 raise ValueError(f"{where} bits={bits}: the AWQ GEMM layout is 4-bit only")
         elif method == "fp8":
@@ -169,7 +169,7 @@ class QuantScheme:
                 raise ValueError(f"{where} weight_block_size: block-wise FP8 is not supported; "
                                  "llmopt loads per-tensor or per-channel weight scales")
             return cls("fp8", bits=8, group_size=-1, activation_scheme=scheme,
-                       not_converted=list(qc.get("ignored_layers") or []))
+                       not_converted=_names(qc, "ignored_layers", where))
         elif method == "bitsandbytes":
             if qc.get("load_in_8bit") or not qc.get("load_in_4bit"):
                 raise ValueError(f"{where}: of bitsandbytes, llmopt loads 4-bit weights (load_in_4bit), "
@@ -182,7 +182,7 @@ class QuantScheme:
             # bitsandbytes' block size (64 unless a Params4bit was made otherwise; each tensor's
             # quant_state says, and the layer checks it)
             return cls("nf4", bits=4, group_size=64,
-                       not_converted=list(qc.get("llm_int8_skip_modules") or []))
+                       not_converted=_names(qc, "llm_int8_skip_modules", where))
         elif method == "compressed-tensors":
             return cls._from_compressed_tensors(qc, where)
         else:
@@ -205,7 +205,7 @@ class QuantScheme:
         act = groups[0].get("input_activations") or {}
         return cls("fp8", bits=8, group_size=-1,
                    activation_scheme="dynamic" if act.get("dynamic", True) else "static",
-                   not_converted=[i.removeprefix("re:") for i in qc.get("ignore") or []])
+                   not_converted=[i.removeprefix("re:") for i in _names(qc, "ignore", where)])
 
     @classmethod
     def on_load(cls, quantization: str) -> "QuantScheme":
@@ -219,4 +219,14 @@ def _int(qc: dict, key: str, where: str) -> int:
     value = qc.get(key)
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{where} needs an integer {key!r}, got {value!r}")
+    return value
+
+
+def _names(qc: dict, key: str, where: str) -> list[str]:
+    """A list of module names (modules_to_not_convert, ...). A string was split into its letters,
+    which matched every layer (all kept dense, then "checkpoint lacks" every weight); a number
+    raised TypeError ("'in <string>' requires string") in the loader."""
+    value = qc.get(key) or []
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ValueError(f"{where} {key} must be a list of module names, got {value!r}")
     return value

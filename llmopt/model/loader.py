@@ -30,14 +30,29 @@ from llmopt.model.gguf import is_gguf, iter_gguf, load_gguf_tokenizer, tensor_el
 from llmopt.model.llama import LlamaForCausalLM
 
 
+def index_shards(index: Path) -> list[str]:
+    """The shard file names a model.safetensors.index.json's weight_map lists. An index that was a list,
+    a weight_map that was not an object or a shard that was a number raised TypeError / AttributeError;
+    a shard named "/etc/passwd" or "../x" was read from outside the checkpoint folder."""
+    try:
+        data = json.loads(index.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{index} is corrupt ({e})") from None
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise ValueError(f"{index} is corrupt: it must be a JSON object whose \"weight_map\" maps each "
+                         "tensor name to the .safetensors file beside it that holds the tensor")
+    for name, shard in weight_map.items():
+        if not isinstance(shard, str) or Path(shard).name != shard or not shard.endswith(".safetensors"):
+            raise ValueError(f"{index}: weight_map[{name!r}] is {shard!r}; it must be the name of a "
+                             f".safetensors file in {index.parent}")
+    return sorted(set(weight_map.values()))
+
+
 def safetensors_files(folder: Path) -> list[Path]:
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        try:
-            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (json.JSONDecodeError, KeyError) as e:
-            raise ValueError(f"{index} is corrupt ({e})") from None
-        files = [folder / s for s in shards]
+        files = [folder / s for s in index_shards(index)]
     else:
         files = sorted(folder.glob("*.safetensors"))
     if not files:
@@ -66,14 +81,20 @@ def iter_checkpoint(files: list[Path]):
 
 def stored_elements(files: list[Path]) -> dict[str, int]:
     """Each tensor's element count, from the safetensors headers alone (no tensor is read)."""
-    counts = {}
+    counts, held_in = {}, {}
     for f in files:
         try:
             with safe_open(str(f), framework="pt") as handle:
-                for name in handle.keys():
+                names = list(handle.keys())
+                for name in names:
                     counts[name] = math.prod(handle.get_slice(name).get_shape())
         except Exception as e:
             raise ValueError(f"checkpoint file {f} is corrupt or not safetensors ({e})") from None
+        for name in names:  # two shards with one tensor: the last one read won, silently
+            if name in held_in:
+                raise ValueError(f"tensor {name!r} is stored twice, in {held_in[name]} and in {f}; "
+                                 "each tensor must be in exactly one checkpoint file")
+            held_in[name] = f
     return counts
 
 
@@ -214,6 +235,27 @@ def quantize_linears(model: LlamaForCausalLM, method: str) -> None:
         model.set_submodule(name, make(model.get_submodule(name)))
 
 
+DENSE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    # torch has no isfinite for float8_e4m3fn (which has NaN but no inf)
+    return not bool(torch.isnan(t).any()) if t.element_size() == 1 else bool(torch.isfinite(t).all())
+
+
+def check_quant_tensor(module, leaf: str, tensor: torch.Tensor, what: str) -> None:
+    """A quantized layer's float tensors (scales, fp8 weights, bias), before they are placed: NaN / inf
+    scales or fp8 weights and int scales (cast as they were) loaded and generated token 0 forever; a
+    negative FP8 scale flipped its rows' signs. The layer itself checks its packed integer tensors."""
+    dest = getattr(module, leaf, None)
+    if isinstance(dest, torch.Tensor) and dest.is_floating_point() and not tensor.is_floating_point():
+        raise ValueError(f"{what} is {tensor.dtype}; {leaf} must be a float tensor (llmopt keeps it in {dest.dtype})")
+    if tensor.is_floating_point() and not all_finite(tensor):
+        raise ValueError(f"{what} holds NaN or infinite values; every scale and weight must be a finite number")
+    if leaf in ("weight_scale", "input_scale") and bool((tensor.float() < 0).any()):
+        raise ValueError(f"{what} holds negative values; an FP8 scale (max |w| / 448) must be >= 0")
+
+
 def load_weights(model: LlamaForCausalLM, weights, source: str = "checkpoint") -> None:
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
@@ -244,6 +286,7 @@ def load_weights(model: LlamaForCausalLM, weights, source: str = "checkpoint") -
             raise ValueError(f"{source}: tensor {name!r} is bitsandbytes quantization state for a layer "
                              "the checkpoint's quantization_config keeps dense")
         if hasattr(module, "load_checkpoint_tensor"):  # a quantized linear places its packed shards
+            check_quant_tensor(module, leaf, tensor, f"{source}: tensor {name!r}")
             module.load_checkpoint_tensor(leaf, tensor, rows, f"{source}: tensor {name!r}")
             loaded.add(name)
             continue
@@ -252,7 +295,19 @@ def load_weights(model: LlamaForCausalLM, weights, source: str = "checkpoint") -
         if dest.shape != tensor.shape:
             raise ValueError(f"{source}: tensor {name!r} has shape {tuple(tensor.shape)}, "
                              f"config.json implies {tuple(dest.shape)}")
+        # int8 / bool / fp8 values were cast to the model's dtype as they were (a quantized checkpoint
+        # without its quantization_config loaded as garbage); complex ones lost their imaginary part
+        if dest.is_floating_point() and tensor.dtype not in DENSE_DTYPES:
+            raise ValueError(f"{source}: tensor {name!r} is {tensor.dtype}; a dense weight must be float16, "
+                             "bfloat16, float32 or float64 (a quantized checkpoint names its scheme in "
+                             "config.json's quantization_config)")
         dest.copy_(tensor.to(dest.dtype))
+        # NaN / inf weights loaded, and every step then sampled garbage (a NaN norm: token 4095 forever).
+        # Checked after the cast: a bfloat16 weight past 65504 is inf in float16.
+        if dest.is_floating_point() and not all_finite(dest):
+            raise ValueError(f"{source}: tensor {name!r} holds NaN or infinite values"
+                             + (f" once cast to {dest.dtype}" if torch.isfinite(tensor).all() else "")
+                             + "; every weight must be a finite number")
         loaded.add(name)
     expected = set()
     for pname in params:

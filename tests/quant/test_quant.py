@@ -341,3 +341,37 @@ def test_cli_quantize(tmp_path, capsys):
     assert LLM(str(tmp_path / "q")).generate("def ", GREEDY, use_tqdm=False)[0].outputs[0].token_ids
     assert main(["quantize", "--method", "gptq", "--bits", "5", "--out", str(tmp_path / "x")]) == 2
     assert "bits must be one of" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("method, change, match", [
+    # each loaded and generated token 0 (NaN / inf) or garbage (a negative or truncated int scale)
+    ("gptq", ("scales", lambda t: t.clone().fill_(float("nan"))), "q_proj.scales' holds NaN or infinite"),
+    ("gptq", ("scales", lambda t: t.to(torch.int32)), "q_proj.scales' is torch.int32; scales must be a float"),
+    ("awq", ("scales", lambda t: t.clone().fill_(float("inf"))), "q_proj.scales' holds NaN or infinite"),
+    ("fp8", ("weight_scale", lambda t: -t), "q_proj.weight_scale' holds negative values"),
+    ("fp8", ("weight_scale", lambda t: t.to(torch.int32)), "weight_scale must be a float"),
+    ("fp8", ("weight", lambda t: t.view(torch.uint8).clone().fill_(0x7F).view(t.dtype)), "q_proj.weight' holds NaN"),
+    # a string was split into letters that matched every layer; a number was a TypeError
+    ("awq", {"modules_to_not_convert": "lm_head"}, "modules_to_not_convert must be a list of module names"),
+    ("awq", {"modules_to_not_convert": [1]}, "modules_to_not_convert must be a list of module names"),
+    ("fp8", {"ignored_layers": "lm_head"}, "ignored_layers must be a list of module names"),
+])
+def test_corrupt_quantized_checkpoints_are_named(tmp_path, method, change, match):
+    from safetensors.torch import load_file
+
+    from llmopt.model.loader import load_model
+
+    kw = dict(method="fp8") if method == "fp8" else dict(method="rtn", bits=4, group_size=128, format=method)
+    path = quantize("tiny", out=tmp_path / "q", progress=False, **kw).path
+    if isinstance(change, dict):
+        cfg = json.loads((path / "config.json").read_text())
+        cfg["quantization_config"].update(change)
+        (path / "config.json").write_text(json.dumps(cfg))
+    else:
+        leaf, how = change
+        tensors = load_file(path / "model.safetensors")
+        name = f"model.layers.0.self_attn.q_proj.{leaf}"
+        tensors[name] = how(tensors[name])
+        save_file(tensors, path / "model.safetensors")
+    with pytest.raises(ValueError, match=match):
+        load_model(path)
