@@ -52,36 +52,35 @@ class SamplingParams:
     _stop_list: list[str] = field(default_factory=list, repr=False, compare=False)
 
     def __post_init__(self):
-        # Every number is stored as a plain float / int: a Fraction (a Real) passed
-        # the checks and then failed the engine step that builds the sampler's tensors.
-        for name in ("temperature", "top_p", "min_p"):
-            setattr(self, name, _real(name, getattr(self, name)))
-        for name in ("n", "top_k", "min_tokens", "seed", "max_tokens", "logprobs"):
-            if getattr(self, name) is not None or name in ("n", "top_k", "min_tokens"):
-                setattr(self, name, _int(name, getattr(self, name)))
-        _int("n", self.n, lo=1)
+        # Each number is checked and stored as a plain float / int: a Fraction (a Real) passed the
+        # checks and then failed the engine step that builds the sampler's tensors.
+        self.n = _int("n", self.n, lo=1)
         if self.n != 1:
             raise ValueError(f"n={self.n}: llmopt returns one completion per request (n=1); "
                              "submit the prompt several times with different seeds instead")
-        _real("temperature", self.temperature, lo=0.0)
+        self.temperature = _real("temperature", self.temperature, lo=0.0)
         if self.temperature > MAX_TEMPERATURE:
             raise ValueError(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature}")
+        self.top_p = _real("top_p", self.top_p)
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        self.top_k = _int("top_k", self.top_k)
         if self.top_k < -1:
             raise ValueError(f"top_k must be -1 or 0 (off) or a positive integer, got {self.top_k}")
+        self.min_p = _real("min_p", self.min_p)
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.seed is not None:
+            self.seed = _int("seed", self.seed)
             if not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]:
                 raise ValueError(f"seed must be in [-2**63, 2**64) (what torch.Generator takes), got {self.seed}")
         if self.max_tokens is not None:
-            _int("max_tokens", self.max_tokens, lo=1)
-        _int("min_tokens", self.min_tokens, lo=0)
+            self.max_tokens = _int("max_tokens", self.max_tokens, lo=1)
+        self.min_tokens = _int("min_tokens", self.min_tokens, lo=0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
         if self.logprobs is not None:
-            _int("logprobs", self.logprobs, lo=0)
+            self.logprobs = _int("logprobs", self.logprobs, lo=0)
             if self.logprobs > MAX_LOGPROBS:
                 raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import math
+from pathlib import Path
 
 WORKLOADS = ["kv-cache", "offline", "kv-memory", "prefix", "chunked", "spec", "roofline"]
 
@@ -55,9 +57,6 @@ def check_bench_flags(args) -> None:
     """Every `llmopt bench` flag in range, before a model is loaded: --out in a missing folder ran the
     whole benchmark, then ended in a FileNotFoundError traceback; --threads -1 was torch's RuntimeError;
     --batch-size 0, --prompt-len 50 10 or --num-requests -1 were Python's words from deep inside."""
-    import math
-    from pathlib import Path
-
     for key in ("lengths", "batch_size", "batches", "spec_k", "bandwidth_threads", "spec_batch1", "decode_steps",
                 "context", "prefix_len", "num_long", "long_len", "chunk_budget", "threads", "num_requests"):
         values = getattr(args, key, None)

@@ -156,20 +156,6 @@ def tensor_elements(path: str | Path) -> dict[str, int]:
     return {t.name: int(t.n_elements) for t in _reader(str(path)).tensors}
 
 
-def expected_shapes(config: dict) -> dict[str, tuple[int, ...]]:
-    """Each tensor's (Hugging Face) shape as the header's sizes imply, by name (layer prefix dropped)."""
-    hidden, inter, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
-    q, kv = config["num_attention_heads"] * config["head_dim"], config["num_key_value_heads"] * config["head_dim"]
-    return {"model.embed_tokens.weight": (vocab, hidden), "lm_head.weight": (vocab, hidden),
-            "model.norm.weight": (hidden,), "input_layernorm.weight": (hidden,),
-            "post_attention_layernorm.weight": (hidden,),
-            "self_attn.q_proj.weight": (q, hidden), "self_attn.k_proj.weight": (kv, hidden),
-            "self_attn.v_proj.weight": (kv, hidden), "self_attn.o_proj.weight": (hidden, q),
-            "self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,),
-            "mlp.gate_proj.weight": (inter, hidden), "mlp.up_proj.weight": (inter, hidden),
-            "mlp.down_proj.weight": (hidden, inter)}
-
-
 def unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     """Undo llama.cpp's permutation of Q / K rows: per head, its converter interleaves the two
     halves (rows 0..d/2-1 and d/2..d-1) into pairs; this puts each half back together."""
@@ -198,17 +184,18 @@ def iter_gguf(path: str | Path, config: dict | None = None):
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
         raise ValueError(f"GGUF file {path} lacks the tensor {', '.join(missing[:3])}{more}")
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
-    shapes = expected_shapes(config)
     for gguf_name, hf_name in expected.items():
         t = tensors[gguf_name]
-        # Checked on the header's shape, before dequantizing: a Q / K tensor of the wrong rows failed
-        # in unpermute_rope_rows as a bare torch reshape error naming no tensor.
-        shape = tuple(int(n) for n in reversed(t.shape))   # GGUF lists dimensions innermost first
-        layer_part = hf_name.removeprefix("model.layers.")
-        want = shapes[layer_part.split(".", 1)[1] if layer_part != hf_name else hf_name]
-        if shape != want:
-            raise ValueError(f"GGUF file {path}: tensor {gguf_name!r} has shape {shape}; the header's "
-                             f"{config['model_type']}.* sizes imply {want}")
+        # Q / K rows are regrouped by head below: a wrong row count failed there as a bare torch
+        # reshape error naming no tensor (load_weights checks every other shape against the model)
+        rope_heads = (heads if gguf_name.endswith(("attn_q.weight", "attn_q.bias")) else
+                      kv_heads if gguf_name.endswith(("attn_k.weight", "attn_k.bias")) else None)
+        if rope_heads is not None:
+            shape = tuple(int(n) for n in reversed(t.shape))   # GGUF lists dimensions innermost first
+            want = (rope_heads * config["head_dim"], *shape[1:])
+            if shape != want:
+                raise ValueError(f"GGUF file {path}: tensor {gguf_name!r} has shape {shape}; the header's "
+                                 f"{config['model_type']}.* sizes imply {want}")
         try:
             array = dequantize(t.data, t.tensor_type)
         except (NotImplementedError, ValueError) as e:
@@ -218,10 +205,8 @@ def iter_gguf(path: str | Path, config: dict | None = None):
         if not array.flags.writeable:  # an F32 tensor comes straight from the read-only file map
             array = array.copy()
         tensor = torch.from_numpy(array)
-        if gguf_name.endswith(("attn_q.weight", "attn_q.bias")):
-            tensor = unpermute_rope_rows(tensor, heads)
-        elif gguf_name.endswith(("attn_k.weight", "attn_k.bias")):
-            tensor = unpermute_rope_rows(tensor, kv_heads)
+        if rope_heads is not None:
+            tensor = unpermute_rope_rows(tensor, rope_heads)
         yield hf_name, tensor
 
 

@@ -180,6 +180,14 @@ async def _serve_request(llm: AsyncLLM, request: Request, chat: bool, max_bytes:
     return make(rid, llm.model_name, c.text, c.finish_reason, use)
 
 
+def failed_request_error(e: RequestFailed) -> APIError:
+    """A request the engine failed alone: a 400 where its own constraint dead-ended (GrammarDeadEnd),
+    else a 500."""
+    if isinstance(e.__cause__, GrammarDeadEnd):
+        return APIError(str(e.__cause__), status=400)
+    return APIError(str(e), status=500, type="internal_error")
+
+
 async def _unless_client_leaves(llm: AsyncLLM, request: Request, rid: str, work):
     """Await `work` (the engine's first or last output for the request) unless the client hangs
     up first (then abort the request and return None). Nothing has been sent yet, so every
@@ -211,9 +219,7 @@ async def _unless_client_leaves(llm: AsyncLLM, request: Request, rid: str, work)
         llm.metrics.rejected("unavailable")
         raise APIError(str(e), status=503, type="service_unavailable", headers={"Retry-After": "1"}) from None
     except RequestFailed as e:  # this request only: the engine serves the others on
-        if isinstance(e.__cause__, GrammarDeadEnd):  # its constraint, not the server, is at fault
-            raise APIError(str(e.__cause__), status=400) from None
-        raise APIError(str(e), status=500, type="internal_error") from None
+        raise failed_request_error(e) from None
 
 
 def _sse(data: dict | str) -> str:
@@ -253,9 +259,7 @@ async def _events(llm: AsyncLLM, req: ParsedRequest, rid: str, n_prompt: int, fi
     except RequestFailed as e:  # a last chunk that says so, then the error itself
         yield _sse(chat_chunk(rid, model, created, {}, "error") if chat
                    else completion_chunk(rid, model, created, "", "error"))
-        bad = isinstance(e.__cause__, GrammarDeadEnd)  # the request's constraint is at fault
-        yield _sse(APIError(str(e.__cause__) if bad else str(e), status=400 if bad else 500,
-                            type="invalid_request_error" if bad else "internal_error").to_dict())
+        yield _sse(failed_request_error(e).to_dict())
     except Exception as e:  # the headers are sent: the error can only travel as an event
         yield _sse(APIError(f"internal error: {type(e).__name__}: {e}", status=500, type="internal_error").to_dict())
     else:

@@ -19,6 +19,7 @@ from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 
+from llmopt.structured.matcher import RequestGrammar
 from llmopt.structured.params import StructuredOutputsParams
 
 COMPILE_TIMEOUT_S = 10.0               # a request whose grammar is not ready by then is refused
@@ -122,21 +123,10 @@ class GrammarCompiler:
                                       f"limit of {self.max_grammar_bytes / 2**20:.0f} MiB; simplify it")
         # A spec that matches nothing (the regex "[^\s\S]") compiles, and then its request
         # failed in a step (HTTP 500) when the sampler found no token allowed: refused here.
-        if not self._allows_a_token(compiled):
+        if not RequestGrammar(compiled, self.stop_token_ids, self.vocab_size).allows_a_token():
             raise GrammarCompileError(f"structured_outputs.{kind} matches no text at all (not even an "
                                       "empty output): no token may start it")
         return compiled
-
-    def _allows_a_token(self, compiled) -> bool:
-        """Whether the grammar's start state allows any token (a stop token counts)."""
-        import xgrammar as xgr
-
-        from llmopt.layers.sampler import unpack_bitmask
-
-        matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=self.stop_token_ids)
-        mask = xgr.allocate_token_bitmask(1, self.vocab_size)
-        matcher.fill_next_token_bitmask(mask, 0)
-        return bool(unpack_bitmask(mask, self.vocab_size).any())  # not the padding bits past the vocabulary
 
     def _settle(self, key: tuple, done: Future) -> None:
         """A finished compile: forget a failure (a fixed spec with the same text cannot exist, but
