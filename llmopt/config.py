@@ -6,6 +6,8 @@ Validation happens here, before any weights load: a wrong value is a `ValueError
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
 from dataclasses import dataclass
 from numbers import Integral, Real
@@ -20,6 +22,9 @@ SPEC_METHODS = ("draft_model", "ngram", "eagle", "layer_skip")
 SCHEDULING_POLICIES = ("fcfs", "priority", "lpm")
 PREFIX_CACHES = ("hash", "radix")
 SEED_RANGE = (-2**63, 2**64)  # what torch.manual_seed takes
+# bfloat16 arithmetic arrives with Ampere; Colab's free T4 (Turing, 7.5) has none
+BF16_CAPABILITY = (8, 0)
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -105,6 +110,8 @@ class EngineConfig:
         if not ok:
             raise ValueError(f"dtype must be 'auto' or one of {', '.join(DTYPES)} (or that torch.dtype), "
                              f"got {self.dtype!r}")
+        if self.dtype != "auto":  # bfloat16 on a GPU without it is refused here, before anything loads
+            self.torch_dtype(None)
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
                              f"got {self.kv_cache_dtype!r}")
@@ -176,15 +183,48 @@ class EngineConfig:
         return torch.device(self.device)
 
     def torch_dtype(self, checkpoint_dtype: str | None) -> torch.dtype:
-        """'auto': float32 on CPU (exact, and fast enough there); on GPU the checkpoint's
-        half-precision dtype, or bfloat16 for float32 checkpoints (as vLLM does)."""
-        if isinstance(self.dtype, torch.dtype):
-            return self.dtype
-        if self.dtype != "auto":
-            return DTYPES[self.dtype]
-        if self.torch_device().type == "cpu":
-            return torch.float32
-        return {"float16": torch.float16}.get(checkpoint_dtype or "", torch.bfloat16)
+        """The model's dtype on this config's device: `resolve_dtype` with the GPU's compute capability."""
+        device = self.torch_device()
+        capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+        return resolve_dtype(self.dtype, device.type, capability, checkpoint_dtype)
+
+
+def resolve_dtype(dtype: str | torch.dtype, device_type: str, capability: tuple[int, int] | None,
+                  checkpoint_dtype: str | None) -> torch.dtype:
+    """The dtype the model runs in, vLLM's policy, decided from the arguments alone (no device is
+    asked, so any GPU can be tested anywhere). `capability` is the CUDA compute capability, None
+    off CUDA; `checkpoint_dtype` is config.json's torch_dtype ("float32", "bfloat16", ...) or None.
+
+    - An explicit dtype is itself, but bfloat16 on a CUDA GPU below compute capability 8.0 is
+      refused (ValueError): those GPUs have no bfloat16 arithmetic. float16 and float32 run there.
+    - 'auto' on a CPU: float32 (exact, and fast enough there).
+    - 'auto' on a GPU from 8.0: a float16 checkpoint's float16, else bfloat16 (a float32 checkpoint
+      too: half the bytes, float32's range).
+    - 'auto' on a GPU below 8.0: float16, said once (a bfloat16 checkpoint loses range: values past
+      65504 overflow).
+    """
+    bf16_ok = device_type != "cuda" or capability is None or tuple(capability) >= BF16_CAPABILITY
+    if dtype != "auto":
+        resolved = dtype if isinstance(dtype, torch.dtype) else DTYPES[dtype]
+        if resolved == torch.bfloat16 and not bf16_ok:
+            raise ValueError(f"dtype={dtype!r} needs bfloat16 arithmetic, which CUDA GPUs have from compute "
+                             f"capability {BF16_CAPABILITY[0]}.{BF16_CAPABILITY[1]}; this GPU has "
+                             f"{capability[0]}.{capability[1]}; allowed here: 'float16' (or 'half'), "
+                             "'float32', or 'auto' (float16 here)")
+        return resolved
+    if device_type != "cuda":
+        return torch.float32
+    if not bf16_ok:
+        _notice_float16_for_auto(tuple(capability))
+        return torch.float16
+    return {"float16": torch.float16}.get(checkpoint_dtype or "", torch.bfloat16)
+
+
+@functools.cache
+def _notice_float16_for_auto(capability: tuple[int, int]) -> None:
+    logger.warning("dtype='auto' is float16 on this GPU: compute capability %d.%d has no bfloat16 "
+                   "arithmetic (that needs >= 8.0; vLLM falls back the same way); pass dtype='float32' "
+                   "for float32's range", *capability)
 
 
 def _cpu_kv_space_from_env() -> float | None:

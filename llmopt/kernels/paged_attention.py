@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import torch
 
+from llmopt.fp8 import native_fp8_supported
 from llmopt.kernels import HAS_TRITON
 from llmopt.kernels.paged_attention_ref import paged_attention_ref  # noqa: F401  (the meaning, beside its kernels)
 
@@ -281,13 +282,15 @@ def _check_scales(k_scale, v_scale) -> tuple[float, float]:
 
 
 def triton_has_e4m3(device: torch.device) -> bool:
-    """Triton knows e4m3 on CUDA from compute capability 8.9 (Ada, Hopper), and in the interpreter."""
-    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9)
+    """Triton knows e4m3 where FP8 is computed (CUDA from compute capability 8.9: Ada, Hopper; see
+    llmopt.fp8.fp8_compute_supported), and in the interpreter. Elsewhere an FP8 pool is storage."""
+    return device.type != "cuda" or native_fp8_supported(device)
 
 
 def _kv_operands(k_cache: torch.Tensor, v_cache: torch.Tensor):
     """The pool as the kernel reads it, and whether it must decode e4m3 from raw bytes."""
-    if k_cache.dtype == torch.float8_e4m3fn and not triton_has_e4m3(k_cache.device):
+    # asked for every fp8 pool, e5m2 too, so that a GPU without FP8 units says once that it stores FP8 only
+    if is_fp8_cache(k_cache) and not triton_has_e4m3(k_cache.device) and k_cache.dtype == torch.float8_e4m3fn:
         return k_cache.view(torch.uint8), v_cache.view(torch.uint8), True
     return k_cache, v_cache, False
 

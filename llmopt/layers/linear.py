@@ -18,8 +18,8 @@ leaves plain `nn.Linear` everywhere else.
 - `Fp8Linear`: float8 e4m3 weights with one fp32 scale per output channel. CUDA GPUs with
   FP8 tensor cores (compute capability >= 8.9) multiply in fp8 (`torch._scaled_mm`), so the
   activations are rounded to fp8 too, per token on the fly or with a static `input_scale`
-  from the checkpoint (W8A8). Elsewhere nothing multiplies fp8: the weights are widened and
-  the activations kept (W8A16, as vLLM's FP8 Marlin kernel runs on GPUs without FP8 units).
+  from the checkpoint (W8A8). Elsewhere nothing multiplies fp8: the weights are widened to the
+  activations' dtype and multiplied there (W8A16, as vLLM's FP8 Marlin kernel runs on older GPUs).
   `quantize_activations = True` emulates W8A8 there in fp32 (products of fp8 values are
   exact in fp32): what lesson 07 and the precision table measure beside weight-only.
 
@@ -328,20 +328,20 @@ class Fp8Linear(QuantLinear):
             x_scale = per_token_scale(x2) if self.input_scale is None else self.input_scale.reshape(1, 1)
             xq = quantize_fp8(x2, x_scale)
             out = self._native(xq, x_scale, x.dtype) if native else self._emulated(xq, x_scale)
-        if self.bias is not None:
-            out = out + self.bias.float()
+        out = out if self.bias is None else out + self.bias.float()
         return out.to(x.dtype).view(*x.shape[:-1], self.out_features)
 
-    def _weight_only(self, x2: torch.Tensor) -> torch.Tensor:
-        """x (fp8 weights) in fp32, each output channel then times its scale: x . (q s) = (x . q) s."""
-        if self._w32 is None:
-            self._w32 = self.weight.float()
+    def _weight_only(self, x2: torch.Tensor, exact: bool = False) -> torch.Tensor:
+        """W8A16. On a GPU the weights are widened to x's dtype as they are used (16 bits; a kept fp32
+        copy would take 4x the fp8 bytes); on a CPU, or `exact`, in fp32: x . (q s) = (x . q) s."""
+        if x2.is_cuda and not exact:
+            return F.linear(x2, self.dequantize(x2.dtype)).float()
+        self._w32 = self.weight.float() if self._w32 is None else self._w32
         return (x2.float() @ self._w32.t()) * self.weight_scale.t()
 
     def _emulated(self, xq: torch.Tensor, x_scale: torch.Tensor) -> torch.Tensor:
-        """fp8 x fp8 products in fp32 (exact), summed in fp32, then both scales: what the
-        tensor cores compute."""
-        return self._weight_only(xq) * x_scale
+        """fp8 x fp8 products, exact and summed in fp32, then both scales: what the tensor cores compute."""
+        return self._weight_only(xq, exact=True) * x_scale
 
     def _native(self, xq: torch.Tensor, x_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         w = self.weight.t()  # [K, N] column-major, as _scaled_mm wants its second operand

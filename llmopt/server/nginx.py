@@ -14,6 +14,7 @@ unbuffered streaming) is the shipped one. Tests and lesson 11 use it with Debian
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import signal
@@ -24,23 +25,37 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from llmopt.package_data import DEPLOY_DIR, deploy_file
 from llmopt.server.process import free_port
 
-DEPLOY_DIR = Path(__file__).resolve().parents[2] / "deploy"
 UPSTREAM_SERVER = re.compile(r"^(\s*)server llmopt:8000( [^;]*)?;", re.M)
 
 
+def find_tool(name: str, also: tuple[str, ...] = ()) -> str | None:
+    """A system tool the deployment lesson uses when it is there (nginx, promtool), or None.
+
+    LLMOPT_<NAME> (LLMOPT_NGINX, LLMOPT_PROMTOOL) overrides the search: a path to the binary, or
+    "none" to act as if it were not installed (what a learner on Colab or Binder meets, and how the
+    tests run lesson 11 without its tools). Else PATH, then the `also` places (Debian's /usr/sbin)."""
+    override = os.environ.get(f"LLMOPT_{name.upper()}", "").strip()
+    if override.lower() == "none":
+        return None
+    if override:
+        if not (Path(override).is_file() and os.access(override, os.X_OK)):
+            raise FileNotFoundError(f"LLMOPT_{name.upper()}={override!r} is not an executable file; "
+                                    "give the binary's path, or 'none' to run without it")
+        return override
+    return shutil.which(name) or next((p for p in also if Path(p).is_file()), None)
+
+
 def find_nginx() -> str | None:
-    """The nginx binary (on PATH, or Debian's /usr/sbin/nginx), or None."""
-    return shutil.which("nginx") or next((p for p in ("/usr/sbin/nginx",) if Path(p).is_file()), None)
+    """The nginx binary (LLMOPT_NGINX, PATH, or Debian's /usr/sbin/nginx), or None."""
+    return find_tool("nginx", also=("/usr/sbin/nginx",))
 
 
-def deploy_file(name: str) -> Path:
-    path = DEPLOY_DIR / name
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing: deploy/ lives in the llmopt repository, beside llmopt/ "
-                                "(a wheel install does not carry it); run from a checkout")
-    return path
+def find_promtool() -> str | None:
+    """Prometheus's promtool (LLMOPT_PROMTOOL or PATH), or None."""
+    return find_tool("promtool")
 
 
 def render_nginx_conf(replicas: list[str], port: int, workdir: str | Path, template: str | None = None) -> str:

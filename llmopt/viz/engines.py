@@ -12,10 +12,8 @@ from pathlib import Path
 import ipywidgets as widgets
 import plotly.graph_objects as go
 
-from llmopt.viz.notebook import RESULTS as COMMITTED
+from llmopt.package_data import committed_result
 from llmopt.viz.notebook import LessonWidget, show_outputs
-
-RESULTS = COMMITTED / "llamacpp.json"
 
 ENGINES = [
     {"engine": "vLLM", "runs on": "GPUs (CUDA, ROCm, TPU)", "optimizes": "throughput of many requests",
@@ -32,8 +30,9 @@ ENGINES = [
 ]
 
 
-def load_results(path: Path = RESULTS) -> dict:
-    return json.loads(Path(path).read_text())
+def load_results(path: Path | None = None) -> dict:
+    """benchmarks/results/llamacpp.json as shipped with llmopt, or the file at `path`."""
+    return json.loads(Path(path or committed_result("llamacpp.json")).read_text())
 
 
 def metric_names(results: dict) -> list[str]:

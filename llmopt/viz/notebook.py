@@ -10,10 +10,11 @@ from __future__ import annotations
 import logging
 import sys
 from numbers import Number
-from pathlib import Path
 from typing import Callable
 
 import ipywidgets as widgets
+
+from llmopt.package_data import committed_result  # noqa: F401  (lessons import it from llmopt.viz)
 
 
 def in_colab() -> bool:
@@ -36,22 +37,6 @@ class _LongTextWarning(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not record.getMessage().startswith("Token indices sequence length is longer")
-
-
-# The committed benchmark tables of a clone of the repository, found beside the package rather
-# than relative to the notebook: a lesson may run from a copy of lessons/ elsewhere (the
-# browser tests serve a scratch copy, Colab opens one file), so "../benchmarks" is not reliable.
-RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
-
-
-def committed_result(name: str) -> Path | None:
-    """benchmarks/results/NAME when llmopt runs from a clone, else None.
-
-    A wheel installed from git (Colab) has no benchmarks/ folder: the lesson then says which
-    benchmark writes the table, instead of failing.
-    """
-    path = RESULTS / name
-    return path if path.is_file() else None
 
 
 def setup_notebook() -> str:

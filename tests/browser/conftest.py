@@ -5,6 +5,11 @@ The suite needs Playwright's Python package (the `dev` extra) and a Chromium on 
 them its tests are skipped, and nbval checks the lessons on its own, as before; with CI set they
 fail instead, so that CI cannot pass without having looked at the lessons in a browser.
 
+The lessons run as a learner runs them: JupyterLab and its kernels come from llmopt's wheel,
+built from this checkout and installed with its lessons extra in a fresh virtual environment
+(tests/fresh_install.py), and serve a copy of the lessons in an empty folder outside the
+repository, offline. LLMOPT_LEARNER_PYTHON=/path/to/venv/bin/python reuses such an install.
+
 When the suite runs a lesson and nbval was asked for (`pytest --nbval`), nbval's items for that
 notebook are taken out of the run and their check is made on the browser's run of the lesson
 (see nbval_in_browser.py), so each lesson runs once.
@@ -63,20 +68,41 @@ def artifacts() -> Path:
     return path
 
 
-@pytest.fixture(scope="package")  # stopped once the suite is done, not at the end of the whole run
-def lab(tmp_path_factory, artifacts):
-    """JupyterLab serving a scratch copy of the lessons (tests add their own notebooks there)."""
+def available() -> None:
     reason = unavailable()
     if reason:
         if os.environ.get("CI"):
             pytest.fail(f"the browser suite must run in CI: {reason}")
         pytest.skip(reason)
+
+
+@pytest.fixture(scope="package")
+def learner_env(tmp_path_factory) -> tuple[Path, dict]:
+    """(python, environment) of the learner's install: the wheel in a fresh venv."""
+    available()
+    reuse = os.environ.get("LLMOPT_LEARNER_PYTHON")
+    if reuse:
+        bin_dir = Path(reuse).parent
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+        env.update(PATH=f"{bin_dir}{os.pathsep}{env.get('PATH', '')}", VIRTUAL_ENV=str(bin_dir.parent))
+        return Path(reuse), env
+    from fresh_install import install_learner_env
+
+    return install_learner_env(tmp_path_factory.mktemp("learner"))
+
+
+@pytest.fixture(scope="package")  # stopped once the suite is done, not at the end of the whole run
+def lab(tmp_path_factory, artifacts, learner_env):
+    """JupyterLab from the learner's install, serving a scratch copy of the lessons in an empty
+    folder (tests add their own notebooks there)."""
+    available()
     from lab_server import JupyterLab
 
     root = tmp_path_factory.mktemp("lab-root")
     for path in lessons():
         shutil.copy(path, root / path.name)
-    with JupyterLab(root, log=artifacts / "jupyterlab.log") as server:
+    python, env = learner_env
+    with JupyterLab(root, log=artifacts / "jupyterlab.log", python=python, env=env) as server:
         yield server
 
 

@@ -2,8 +2,10 @@
 
 It serves a scratch copy of the notebooks (JupyterLab saves what it runs, and the stored
 lesson outputs belong to scripts/run_lessons.py), with its own settings, workspace and
-runtime folders so that nothing on the machine changes what the browser sees. Kernels get the
-environment scripts/run_lessons.py gives them. The app object is exposed in the page
+runtime folders so that nothing on the machine changes what the browser sees. It runs from the
+Python it is given (the suite gives the learner's install: llmopt's wheel in a fresh venv, see
+tests/fresh_install.py), so JupyterLab, its extensions and the kernels are that install's. Kernels
+get the environment scripts/run_lessons.py gives them. The app object is exposed in the page
 (`window.jupyterapp`) so the suite can read each notebook's model and kernel state; widgets
 and cells are still driven through the page, as a learner would.
 """
@@ -57,7 +59,9 @@ def free_port() -> int:
 class JupyterLab:
     """`with JupyterLab(root) as lab:` serves `root` at `lab.url(path)` until the block ends."""
 
-    def __init__(self, root: Path, log: Path, startup_timeout: float = 120.0):
+    def __init__(self, root: Path, log: Path, python: str | Path = sys.executable, env: dict | None = None,
+                 startup_timeout: float = 120.0):
+        self.python, self.base_env = str(python), dict(os.environ if env is None else env)
         self.root = Path(root).resolve()
         self.log_path = Path(log).resolve()
         self.port = free_port()
@@ -93,11 +97,11 @@ class JupyterLab:
         profile = home / "ipython" / "profile_default"
         profile.mkdir(parents=True, exist_ok=True)
         (profile / "ipython_kernel_config.py").write_text("c.HistoryManager.enabled = False\n")
-        env = {**os.environ, **kernel_env(),
+        env = {**self.base_env, **kernel_env(),
                "JUPYTER_CONFIG_DIR": str(home / "config"),
                "JUPYTER_RUNTIME_DIR": str(home / "runtime"),
                "IPYTHONDIR": str(home / "ipython")}
-        cmd = [sys.executable, "-m", "jupyterlab", "--no-browser",
+        cmd = [self.python, "-m", "jupyterlab", "--no-browser",
                "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={self.port}",
                "--ServerApp.port_retries=0",
                f"--IdentityProvider.token={self.token}",

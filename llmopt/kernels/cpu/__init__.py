@@ -20,8 +20,10 @@ import importlib.machinery
 import importlib.util
 import os
 import sys
+import time
 import warnings
 from pathlib import Path
+from typing import Callable
 
 SOURCES = ("bindings.cpp", "dense_matmul.cpp", "dense_panels.cpp", "gguf_matmul.cpp", "gguf_panels.cpp",
            "paged_attention.cpp", "decode_step.cpp")
@@ -86,13 +88,22 @@ def _import_built(name: str, folder: Path):
 def _build(name: str, folder: Path):
     from torch.utils import cpp_extension
 
+    # ninja's default runs cores + 2 compilers at once, each 350-450 MB: on a 2-core, 2 GB Binder
+    # that alone fills the container. One compiler per core (MAX_JOBS, torch's knob, if not set).
+    if "MAX_JOBS" not in os.environ:
+        os.environ["MAX_JOBS"] = str(max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                                         else os.cpu_count() or 1))
     return cpp_extension.load(name=name, sources=[str(_HERE / s) for s in SOURCES],
                               extra_cflags=list(cflags()), extra_include_paths=[str(_HERE)],
                               extra_ldflags=["-fopenmp"], build_directory=str(folder), verbose=False)
 
 
-def load():
-    """The compiled module (built first if needed), or None where it cannot be built."""
+def load(notice: Callable[[str], None] | None = None):
+    """The compiled module (built first if needed), or None where it cannot be built.
+
+    `notice` (e.g. `print`) is told when a build starts and when it is done: the first build
+    takes about a minute, which a learner should not mistake for a hung cell. A process that finds
+    the kernels built says nothing, so a warm cache prints nothing."""
     global _module, _failed
     if _module is not None or _failed is not None:
         return _module
@@ -106,7 +117,15 @@ def load():
         folder.mkdir(parents=True, exist_ok=True)
         with open(folder / "build.lock", "w") as lock:   # one build at a time, across processes
             fcntl.flock(lock, fcntl.LOCK_EX)
-            _module = _import_built(name, folder) or _build(name, folder)
+            _module = _import_built(name, folder)
+            if _module is None:
+                start = time.monotonic()
+                if notice:
+                    notice(f"llmopt: compiling its C++ CPU kernels for this CPU into {folder} "
+                           "(once per machine; about a minute on 2 cores)...")
+                _module = _build(name, folder)
+                if notice:
+                    notice(f"llmopt: C++ CPU kernels built in {time.monotonic() - start:.0f} s")
     except Exception as e:  # no compiler, a failed build, an unwritable cache: torch paths instead
         _failed = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
         warnings.warn(f"llmopt: the C++ CPU kernels could not be built ({_failed[:200]}); "
