@@ -14,6 +14,7 @@ import os
 import torch
 
 from llmopt.engine.block_manager import HOST_BYTES_PER_BLOCK
+from llmopt.model.loader import release_freed_memory
 
 
 def host_available_bytes() -> int | None:
@@ -111,10 +112,14 @@ def profile_peak_memory(model, device: torch.device, num_tokens: int, max_num_se
 
 
 class HostMemoryRelease:
-    """Dropped, it hands the heap pages freed so far back to the OS. glibc keeps them mapped (its
-    mmap threshold rises to the size of freed weights, so the next weights land on the heap), and
-    a process's RSS stayed at its peak after `del llm`; malloc_trim returns them. The engine holds
-    one as its last attribute, so that it goes after the weights and the KV pool."""
+    """Made, and again dropped, it hands the heap pages freed so far back to the OS. glibc keeps
+    them mapped (its mmap threshold rises to the size of freed weights, so the next weights land on
+    the heap), and a process's RSS stayed at its peak after `del llm`; malloc_trim returns them.
+    The engine makes one last, when loading has freed the weights' first copies and temporaries,
+    and holds it as its last attribute, so that it goes after the weights and the KV pool."""
+
+    def __init__(self):
+        release_freed_memory()
 
     def __del__(self):
         try:

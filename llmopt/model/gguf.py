@@ -81,6 +81,11 @@ def _reader(path: str):
         raise ValueError(f"GGUF file {path} is truncated or corrupt ({type(e).__name__}: {e})") from None
 
 
+def forget_gguf_readers() -> None:
+    """Drop the parsed GGUF files kept for the next call (and their file maps)."""
+    _reader.cache_clear()
+
+
 def _field(reader, key: str, default=None):
     field = reader.fields.get(key)
     return default if field is None else field.contents()

@@ -12,6 +12,8 @@ checkpoint's linear layers right after loading it.
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import json
 import math
 import re
@@ -26,7 +28,7 @@ from safetensors import safe_open
 
 from llmopt.layers.rotary import RotaryEmbedding
 from llmopt.model.config import ModelConfig
-from llmopt.model.gguf import is_gguf, iter_gguf, load_gguf_tokenizer, tensor_elements
+from llmopt.model.gguf import forget_gguf_readers, is_gguf, iter_gguf, load_gguf_tokenizer, tensor_elements
 from llmopt.model.llama import LlamaForCausalLM
 
 
@@ -161,13 +163,37 @@ def load_model(folder: str | Path, dtype: torch.dtype = torch.float32,
     model.model.rotary_emb = RotaryEmbedding(rope_dim, cfg.max_position_embeddings,
                                              cfg.rope_theta, cfg.rope_scaling).to(device)
     load_weights(model, weights, source=str(folder))
+    if is_gguf(folder) and not keep_gguf_blocks:
+        # The parsed header (a 49K-token vocabulary as ~10^5 small arrays) and the file's map
+        # (every page of it read once): ~250 MB for SmolLM2 that nothing needs once the weights are
+        # in. A later load parses the header again (a few seconds).
+        forget_gguf_readers()
+    release_freed_memory()  # before quantizing, which holds both precisions of a layer at once
     if scheme is not None and not scheme.serialized:
         quantize_linears(model, scheme.method)
     if keep_gguf_blocks:
         from llmopt.model.gguf_repack import repack_gguf_linears
 
         repack_gguf_linears(model, str(folder))
+        forget_gguf_readers()
+    release_freed_memory()
     return model.eval()
+
+
+def release_freed_memory() -> None:
+    """Give the memory freed while loading (dequantized temporaries, the header's objects) back to
+    the OS: glibc's malloc keeps freed blocks below 32 MB in its heap, where they still count
+    against a container's limit (Binder's 2 GB). Elsewhere (macOS, musl) this does nothing."""
+    gc.collect()
+    trim_heap()
+
+
+def trim_heap() -> None:
+    """glibc's malloc_trim: the free pages inside the heap go back to the OS (a few ms)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def model_class(cfg: ModelConfig):
@@ -233,6 +259,7 @@ def quantize_linears(model: LlamaForCausalLM, method: str) -> None:
     make = {"int8": Int8Linear, "fp8": Fp8Linear}[method].from_linear
     for name in model.quantizable_linears():
         model.set_submodule(name, make(model.get_submodule(name)))
+        trim_heap()  # the float layer just replaced: its pages back before the next one is made
 
 
 DENSE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
