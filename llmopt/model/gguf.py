@@ -17,9 +17,11 @@ another architecture, a missing tensor, a tensor type the `gguf` package cannot 
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import os
 import shutil
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
@@ -82,8 +84,47 @@ def _reader(path: str):
 
 
 def forget_gguf_readers() -> None:
-    """Drop the parsed GGUF files kept for the next call (and their file maps)."""
+    """Drop the parsed GGUF headers kept for the next call (and their file maps). What a later
+    load needs of a file, its config and where its tensors are, stays (`gguf_tensors`)."""
     _reader.cache_clear()
+
+
+@dataclass(frozen=True)
+class GGUFTensor:
+    """One tensor of a GGUF file as the loaders need it, without the parsed header: its name, type,
+    shape (innermost dimension first, as GGUF lists it) and element count, and where its bytes are;
+    `data` maps them from the file (the same array the gguf package's reader gives)."""
+    name: str
+    tensor_type: object  # gguf.GGMLQuantizationType
+    shape: tuple[int, ...]
+    n_elements: int
+    path: str
+    offset: int
+    dtype: np.dtype
+    data_shape: tuple[int, ...]
+
+    @property
+    def data(self) -> np.ndarray:
+        return np.memmap(self.path, dtype=self.dtype, mode="r", offset=self.offset, shape=self.data_shape)
+
+
+def _file_key(path: str | Path) -> tuple[str, int, int]:
+    """A file's identity for the caches below: a rewritten file is read again."""
+    path = os.path.abspath(str(path))
+    stat = os.stat(path) if os.path.isfile(path) else None
+    return (path, stat.st_size, stat.st_mtime_ns) if stat else (path, -1, -1)
+
+
+def gguf_tensors(path: str | Path) -> list[GGUFTensor]:
+    """The file's tensors, from its header, parsed once per file: a second engine on the same
+    file (or a later load) finds them without parsing the header's vocabulary again."""
+    return _tensors(_file_key(path))
+
+
+@lru_cache(maxsize=16)
+def _tensors(key: tuple[str, int, int]) -> list[GGUFTensor]:
+    return [GGUFTensor(t.name, t.tensor_type, tuple(int(n) for n in t.shape), int(t.n_elements), key[0],
+                       int(t.data_offset), t.data.dtype, tuple(t.data.shape)) for t in _reader(key[0]).tensors]
 
 
 def _field(reader, key: str, default=None):
@@ -92,8 +133,14 @@ def _field(reader, key: str, default=None):
 
 
 def gguf_hf_config(path: str | Path) -> dict:
-    """The GGUF header as the `config.json` a Hugging Face checkpoint of the model would carry."""
-    path = str(path)
+    """The GGUF header as the `config.json` a Hugging Face checkpoint of the model would carry
+    (read once per file; each call gets its own copy)."""
+    return copy.deepcopy(_hf_config(_file_key(path)))
+
+
+@lru_cache(maxsize=16)
+def _hf_config(key: tuple[str, int, int]) -> dict:
+    path = key[0]
     r = _reader(path)
     arch = _field(r, "general.architecture")
     if arch not in SUPPORTED_GGUF_ARCHITECTURES:
@@ -158,7 +205,7 @@ def gguf_hf_config(path: str | Path) -> dict:
 
 def tensor_elements(path: str | Path) -> dict[str, int]:
     """Each tensor's element count, from the file's header (no tensor is dequantized)."""
-    return {t.name: int(t.n_elements) for t in _reader(str(path)).tensors}
+    return {t.name: t.n_elements for t in gguf_tensors(path)}
 
 
 def unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -174,9 +221,8 @@ def iter_gguf(path: str | Path, config: dict | None = None):
     from gguf.quants import dequantize
 
     path = str(path)
-    r = _reader(path)
     config = config or gguf_hf_config(path)
-    tensors = {t.name: t for t in r.tensors}
+    tensors = {t.name: t for t in gguf_tensors(path)}
     expected = dict(GLOBAL_TENSORS)
     if config["tie_word_embeddings"]:
         expected.pop("output.weight")

@@ -18,7 +18,7 @@ import numpy as np
 
 from llmopt.kernels.cpu.gguf_blocks import GGML_TYPES, GGUFBlockWeight
 from llmopt.layers.gguf_linear import GGUFLinear
-from llmopt.model.gguf import _reader, unpermute_rope_rows
+from llmopt.model.gguf import gguf_tensors, unpermute_rope_rows
 
 
 def _unpermute(w: GGUFBlockWeight, heads: int) -> GGUFBlockWeight:
@@ -31,7 +31,7 @@ def repack_gguf_linears(model, path: str, activations: str = "int8") -> dict[str
     """Swap the model's linears (and the output head) for GGUFLinear layers built from the GGUF
     file's blocks, where their types allow; returns how many of each block type were swapped."""
     cfg = model.config
-    tensors = {t.name: t for t in _reader(str(path)).tensors}
+    tensors = {t.name: t for t in gguf_tensors(path)}
 
     def read(name: str, heads: int | None) -> GGUFBlockWeight | None:
         t = tensors[name]

@@ -91,23 +91,38 @@ def learner_env(tmp_path_factory) -> tuple[Path, dict]:
     return install_learner_env(tmp_path_factory.mktemp("learner"))
 
 
-@pytest.fixture(scope="package")  # stopped once the suite is done, not at the end of the whole run
-def lab(tmp_path_factory, artifacts, learner_env):
-    """JupyterLab from the learner's install, serving a scratch copy of the lessons in an empty
-    folder (tests add their own notebooks there)."""
-    available()
+def serve_lessons(tmp_path_factory, artifacts: Path, name: str, python=sys.executable, env=None):
+    """JupyterLab from `python`'s environment, serving a scratch copy of the lessons in an empty
+    folder (tests add their own notebooks there); its log and home go to artifacts/<name>*."""
     from lab_server import JupyterLab
 
-    root = tmp_path_factory.mktemp("lab-root")
+    root = tmp_path_factory.mktemp(f"{name}-root")
     for path in lessons():
         shutil.copy(path, root / path.name)
+    return JupyterLab(root, log=artifacts / f"{name}.log", python=python, env=env)
+
+
+# Both stopped once the suite is done, not at the end of the whole run.
+@pytest.fixture(scope="package")
+def learner_lab(tmp_path_factory, artifacts, learner_env):
+    """The lessons' JupyterLab: the learner's install (the wheel in a fresh venv)."""
     python, env = learner_env
-    with JupyterLab(root, log=artifacts / "jupyterlab.log", python=python, env=env) as server:
+    with serve_lessons(tmp_path_factory, artifacts, "jupyterlab-learner", python, env) as server:
         yield server
 
 
 @pytest.fixture(scope="package")
-def browser(lab):
+def lab(tmp_path_factory, artifacts):
+    """JupyterLab from this environment, for the suite's checks of itself (broken_notebook.py),
+    which test the check rather than the learner's install and so need no wheel built."""
+    available()
+    with serve_lessons(tmp_path_factory, artifacts, "jupyterlab") as server:
+        yield server
+
+
+@pytest.fixture(scope="package")
+def browser():
+    available()
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as p:

@@ -76,7 +76,7 @@ class JupyterLab:
         return self.url(f"lab/tree/{notebook}?token={self.token}&reset")
 
     def __enter__(self) -> "JupyterLab":
-        home = self.log_path.parent / "jupyter-home"
+        home = self.log_path.parent / f"{self.log_path.stem}-home"  # one per server: two may run at once
         shutil.rmtree(home, ignore_errors=True)
         settings = home / "settings"
         for plugin, values in SETTINGS.items():

@@ -31,7 +31,8 @@ def lessons_using_tools() -> list[str]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("lesson", [p.stem for p in lessons()])
-def test_lesson_in_browser(lesson, lab, browser, artifacts, nbval_items):
+def test_lesson_in_browser(lesson, learner_lab, browser, artifacts, nbval_items):
+    lab = learner_lab
     assert lab.running_kernels() == [], "a kernel from an earlier test is still running"
     report = check_notebook(browser, lab, lab.root / f"{lesson}.ipynb", artifacts,
                             nbval_items=nbval_items.get(lesson))
@@ -54,8 +55,8 @@ nbformat.write(nb, sys.argv[1])
 
 @pytest.mark.slow
 @pytest.mark.parametrize("lesson", lessons_using_tools())
-def test_lesson_runs_without_its_system_tools(lesson, learner_env, lab, tmp_path, artifacts):
-    assert lab.running_kernels() == [], "a kernel from the browser run is still running"  # one lesson at a time
+def test_lesson_runs_without_its_system_tools(lesson, learner_env, learner_lab, tmp_path, artifacts):
+    assert learner_lab.running_kernels() == [], "a kernel from the browser run is still running"  # one at a time
     python, env = learner_env
     path = tmp_path / f"{lesson}.ipynb"
     path.write_text((lessons()[0].parent / f"{lesson}.ipynb").read_text())
