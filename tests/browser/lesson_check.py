@@ -80,11 +80,13 @@ class Report:
     nbval_cells: int = 0   # cells nbval checked on this run (0: nbval was not asked for)
     cpu_seconds: dict = field(default_factory=dict)  # by process kind: the kernel's vs the browser's cost
     peak_memory_gb: dict = field(default_factory=dict)  # the kernel and its processes: PSS and RSS summed
+    over_memory_limit: bool = False  # more than Binder's 2 GB at the peak
 
     def summary(self) -> str:
         lines = [f"{self.name}: {self.seconds}, nbval cells checked on this run: {self.nbval_cells}",
                  f"  CPU seconds {self.cpu_seconds}",
-                 f"  peak memory of the kernel and its processes, GB {self.peak_memory_gb}",
+                 f"  peak memory of the kernel and its processes, GB {self.peak_memory_gb}"
+                 + (f" (OVER Binder's {MEMORY_LIMIT_BYTES / 1e9:.1f} GB)" if self.over_memory_limit else ""),
                  f"  stored {self.stored}", f"  ran    {self.ran}", f"  drawn  {self.drawn}"]
         lines += [f"  {m}" for m in self.moves]
         lines += [f"  console (harmless): {c}" for c in self.console]
@@ -181,9 +183,9 @@ def check_notebook(browser: Browser, lab, path: Path, shots: Path, *, nbval_item
         context.close()
         memory.stop()
     report.peak_memory_gb = {"pss": round(memory.peak_pss / 1e9, 2), "rss": round(memory.peak_rss / 1e9, 2)}
-    if memory.peak_pss > MEMORY_LIMIT_BYTES:
-        report.problems.append(f"the kernel and its processes held {memory.peak_pss / 1e9:.2f} GB at their peak "
-                               f"(PSS summed); Binder gives a lesson {MEMORY_LIMIT_BYTES / 1e9:.1f} GB")
+    # Reported, not failed on: memory, like time, is a measurement (lessons/README.md's table, made
+    # by scripts/lesson_table.py from these reports), and a sampled peak moves between runs.
+    report.over_memory_limit = memory.peak_pss > MEMORY_LIMIT_BYTES
     for message in errors:
         reason = harmless_reason(message)
         if reason:
