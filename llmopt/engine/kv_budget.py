@@ -14,7 +14,7 @@ import os
 import torch
 
 from llmopt.engine.block_manager import HOST_BYTES_PER_BLOCK
-from llmopt.model.loader import release_freed_memory
+from llmopt.model.loader import trim_heap
 
 
 def host_available_bytes() -> int | None:
@@ -119,7 +119,7 @@ class HostMemoryRelease:
     and holds it as its last attribute, so that it goes after the weights and the KV pool."""
 
     def __init__(self):
-        release_freed_memory()
+        trim_heap()
 
     def __del__(self):
         try:

@@ -13,7 +13,6 @@ checkpoint's linear layers right after loading it.
 from __future__ import annotations
 
 import ctypes
-import gc
 import json
 import math
 import re
@@ -168,7 +167,7 @@ def load_model(folder: str | Path, dtype: torch.dtype = torch.float32,
         # (every page of it read once): ~250 MB for SmolLM2 that nothing needs once the weights are
         # in. A later load parses the header again (a few seconds).
         forget_gguf_readers()
-    release_freed_memory()  # before quantizing, which holds both precisions of a layer at once
+    trim_heap()  # before quantizing, which holds both precisions of a layer at once
     if scheme is not None and not scheme.serialized:
         quantize_linears(model, scheme.method)
     if keep_gguf_blocks:
@@ -176,20 +175,17 @@ def load_model(folder: str | Path, dtype: torch.dtype = torch.float32,
 
         repack_gguf_linears(model, str(folder))
         forget_gguf_readers()
-    release_freed_memory()
+    trim_heap()
     return model.eval()
 
 
-def release_freed_memory() -> None:
-    """Give the memory freed while loading (dequantized temporaries, the header's objects) back to
-    the OS: glibc's malloc keeps freed blocks below 32 MB in its heap, where they still count
-    against a container's limit (Binder's 2 GB). Elsewhere (macOS, musl) this does nothing."""
-    gc.collect()
-    trim_heap()
-
-
 def trim_heap() -> None:
-    """glibc's malloc_trim: the free pages inside the heap go back to the OS (a few ms)."""
+    """Give the memory freed so far (dequantized temporaries, the header's objects, replaced
+    weights) back to the OS with glibc's malloc_trim (a few ms): glibc keeps freed blocks below
+    32 MB in its heap, where they still count against a container's limit (Binder's 2 GB).
+    Elsewhere (macOS, musl) this does nothing. No gc.collect() here: what loading frees goes by
+    reference counts, and a full collection in a notebook holding millions of objects took 0.3-0.7 s,
+    paid at every engine made (lesson 05 makes about forty)."""
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
