@@ -123,10 +123,6 @@ class HostMemoryRelease:
 
     def __del__(self):
         try:
-            import ctypes
-
-            libc = ctypes.CDLL(None)  # the process's own symbols, libc's among them
-            if hasattr(libc, "malloc_trim"):  # glibc; elsewhere nothing to do
-                libc.malloc_trim(0)
-        except Exception:  # noqa: BLE001 - at interpreter exit imports fail; nothing is left to give back
+            trim_heap()
+        except Exception:  # noqa: BLE001 - at interpreter exit ctypes may be gone; nothing is left to give back
             pass
