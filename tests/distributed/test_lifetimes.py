@@ -133,8 +133,9 @@ for tp in (1, 2, 1, 2):
     llm = LLM(**engine, tensor_parallel_size=tp)
     llm.generate(["def f(x):"] * 4, SamplingParams(max_tokens=16), use_tqdm=False)
     held = rss_mb()
+    weights = sum(p.nbytes for p in llm.llm_engine.model.parameters()) / 2**20   # the driver's shard
     del llm
-    rows.append({"tp": tp, "base": base, "held": held, "after": rss_mb()})
+    rows.append({"tp": tp, "base": base, "held": held, "weights": weights, "after": rss_mb()})
 print(json.dumps(rows))
 """
 
@@ -150,7 +151,10 @@ def test_del_gives_every_engines_memory_back(tmp_path):
     rows = json.loads(run.stdout.strip().splitlines()[-1])
     for r in rows:
         grew = r["held"] - r["base"]
-        assert grew > 30, r  # the weights (in the driver: its shard) and the touched part of the pool
-        # measured: 1-10% of it stays (allocator bookkeeping, caches); without the engine's
-        # HostMemoryRelease, all of it stayed (glibc kept the freed heap pages)
-        assert r["after"] - r["base"] < 0.15 * grew, r
+        # the weights in this process (at tp=2 the driver's shard: 16 MB of tiny's 32) and the
+        # touched part of the pool: what `del` must give back is at least the weights
+        assert grew > r["weights"], r
+        # measured: 1-6 MB stays whatever the engine's size (allocator bookkeeping, caches), under
+        # half of the 16 MB shard; without the engine's HostMemoryRelease, the tp=2 engines left
+        # 42-53 MB (glibc kept the freed heap pages), more than their weights
+        assert r["after"] - r["base"] < 0.5 * r["weights"], r
