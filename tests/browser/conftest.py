@@ -77,18 +77,16 @@ def available() -> None:
 
 
 @pytest.fixture(scope="package")
-def learner_env(tmp_path_factory) -> tuple[Path, dict]:
-    """(python, environment) of the learner's install: the wheel in a fresh venv."""
+def learner_env(request) -> tuple[Path, dict]:
+    """(python, environment) of the learner's install: the wheel in a fresh venv, one for the run
+    (tests/conftest.py starts it before the first lesson asks; every xdist worker uses it)."""
+    from fresh_install import run_dir, shared_learner_env, venv_env
+
     available()
     reuse = os.environ.get("LLMOPT_LEARNER_PYTHON")
     if reuse:
-        bin_dir = Path(reuse).parent
-        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
-        env.update(PATH=f"{bin_dir}{os.pathsep}{env.get('PATH', '')}", VIRTUAL_ENV=str(bin_dir.parent))
-        return Path(reuse), env
-    from fresh_install import install_learner_env
-
-    return install_learner_env(tmp_path_factory.mktemp("learner"))
+        return Path(reuse), venv_env(Path(reuse).parent.parent)
+    return shared_learner_env(run_dir(request.config))
 
 
 def serve_lessons(tmp_path_factory, artifacts: Path, name: str, python=sys.executable, env=None):
