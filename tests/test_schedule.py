@@ -3,7 +3,10 @@ on xdist's own scheduler driven as its controller drives it (workers stood in fo
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
+
+import pytest
 
 from browser.browser_env import lessons
 from schedule import BROWSER_LESSONS, INSTALLS, LessonsBesideTheRest, lesson_seconds, lessons_queue
@@ -32,6 +35,11 @@ class Worker:
         self.shutting_down = True
 
 
+@pytest.fixture(autouse=True)
+def no_given_install(monkeypatch):
+    monkeypatch.delenv("LLMOPT_LEARNER_PYTHON", raising=False)  # else the install counts as done
+
+
 SECONDS = {"00_a": 40, "01_b": 300, "02_c": 60, "03_d": 500}
 COLLECTION = ([f"{BROWSER_LESSONS}test_lesson_in_browser[{name}]" for name in SECONDS]
               + [f"tests/test_one.py::test_{i}" for i in range(4)]
@@ -39,12 +47,17 @@ COLLECTION = ([f"{BROWSER_LESSONS}test_lesson_in_browser[{name}]" for name in SE
               + [f"tests/test_two.py::test_{i}" for i in range(3)])
 
 
-def run(order: list[str]) -> dict[str, list[str]]:
+def run(order: list[str], ready_after: int = 0) -> dict[str, list[str]]:
     """Drive the scheduler as xdist's controller does: both workers join and collect, the first
-    batch is sent, then each worker finishes its tests in turn as `order` says (gw0, gw1, ...)."""
+    batch is sent, then each worker finishes its tests in turn as `order` says (gw0, gw1, ...);
+    the learner's install is done once `ready_after` tests have finished."""
     config = SimpleNamespace(getvalue=lambda name: {"tx": ["2*popen"]}[name],
-                             option=SimpleNamespace(loadscopereorder=True))
+                             option=SimpleNamespace(loadscopereorder=True),
+                             _tmp_path_factory=SimpleNamespace(getbasetemp=lambda: Path("/nonexistent")))
     sched = LessonsBesideTheRest(config)
+    assert sched.learner_ready() is False  # no install in that folder
+    finished = [0]
+    sched.learner_ready = lambda: finished[0] >= ready_after
     sched.seconds = SECONDS
     workers = {w: Worker(w) for w in ("gw1", "gw0")}  # gw1 ready first: the lessons still go to gw0
     for w in workers.values():
@@ -58,6 +71,7 @@ def run(order: list[str]) -> dict[str, list[str]]:
         if done[w] < len(worker.sent):
             sched.mark_test_complete(worker, worker.sent[done[w]])
             done[w] += 1
+            finished[0] += 1
     assert sched.tests_finished
     return {w: [COLLECTION[i] for i in worker.sent] for w, worker in workers.items()}
 
@@ -87,3 +101,11 @@ def test_lessons_queue_orders_by_time_and_puts_a_missing_lesson_last():
     lessons = [f"{BROWSER_LESSONS}t[{n}]" for n in ("03_d", "01_b", "00_a", "09_new")]
     assert lessons_queue(scopes, SECONDS, first_lesson_sent=False) == lessons[:1] + [INSTALLS] + lessons[1:]
     assert lessons_queue(scopes, SECONDS, first_lesson_sent=True) == [INSTALLS] + lessons
+
+
+def test_the_lessons_worker_takes_other_files_until_the_learners_install_is_done():
+    ran = run(["gw0", "gw1"] * 20, ready_after=3)
+    lessons_at = [i for i, t in enumerate(ran["gw0"]) if t.startswith(BROWSER_LESSONS)]
+    assert not ran["gw0"][0].startswith(BROWSER_LESSONS)  # its first unit was sent before the install was done
+    assert lessons_at and ran["gw0"][lessons_at[0]].endswith("[03_d]")  # then the longest lesson first
+    assert sorted(ran["gw0"] + ran["gw1"]) == sorted(COLLECTION)
