@@ -57,7 +57,7 @@ def nbval_items(request) -> dict:
     return request.config.stash.get(NBVAL_ITEMS, {})
 
 
-@pytest.fixture(scope="package")
+@pytest.fixture(scope="session")
 def artifacts() -> Path:
     # one folder per test process: JupyterLab keeps its home and runtime files here, and when two
     # xdist workers cleared one shared folder, one deleted the other's running lab's (which then
@@ -76,7 +76,7 @@ def available() -> None:
         pytest.skip(reason)
 
 
-@pytest.fixture(scope="package")
+@pytest.fixture(scope="session")
 def learner_env(request) -> tuple[Path, dict]:
     """(python, environment) of the learner's install: the wheel in a fresh venv, one for the run
     (tests/conftest.py starts it before the first lesson asks; every xdist worker uses it)."""
@@ -100,8 +100,10 @@ def serve_lessons(tmp_path_factory, artifacts: Path, name: str, python=sys.execu
     return JupyterLab(root, log=artifacts / f"{name}.log", python=python, env=env)
 
 
-# Both stopped once the suite is done, not at the end of the whole run.
-@pytest.fixture(scope="package")
+# Session-wide, like the artifacts folder: on two workers the lessons come one at a time between
+# other files (tests/schedule.py), and fixtures scoped to this folder were torn down at every such
+# switch, restarting JupyterLab and Chromium and clearing the folder of the reports made so far.
+@pytest.fixture(scope="session")
 def learner_lab(tmp_path_factory, artifacts, learner_env):
     """The lessons' JupyterLab: the learner's install (the wheel in a fresh venv)."""
     python, env = learner_env
@@ -109,7 +111,7 @@ def learner_lab(tmp_path_factory, artifacts, learner_env):
         yield server
 
 
-@pytest.fixture(scope="package")
+@pytest.fixture(scope="session")
 def lab(tmp_path_factory, artifacts):
     """JupyterLab from this environment, for the suite's checks of itself (broken_notebook.py),
     which test the check rather than the learner's install and so need no wheel built."""
@@ -118,7 +120,7 @@ def lab(tmp_path_factory, artifacts):
         yield server
 
 
-@pytest.fixture(scope="package")
+@pytest.fixture(scope="session")
 def browser():
     available()
     from playwright.sync_api import sync_playwright
