@@ -76,8 +76,11 @@ class GrammarCompiler:
                 return f
             f = self._pool.submit(self._compile, params)
             self._cache[key] = f
-            f.add_done_callback(lambda done, key=key: self._settle(key, done))
-            return f
+        # Outside the lock: a compile that has already finished (a bad spec fails in microseconds)
+        # runs its callback right here, and _settle takes the lock: inside it, this thread waited
+        # for itself forever.
+        f.add_done_callback(lambda done, key=key: self._settle(key, done))
+        return f
 
     def compile(self, params: StructuredOutputsParams, name: str = "structured_outputs"):
         """Wait for the compiled grammar (at most timeout_s); GrammarCompileError naming `name`

@@ -4,6 +4,9 @@ enums, exploding regexes), combinations a grammar cannot serve; and the engine s
 request. Sampling under a mask draws from the model's distribution renormalized over the allowed
 tokens (chi-square, with a negative control that masks after top-p instead of before)."""
 
+import concurrent.futures
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -156,3 +159,35 @@ def test_negative_control_top_p_before_the_mask_is_detected():
     wrong /= wrong.sum()
     support = wrong > 0
     assert counts[~support].sum() > 0 or p_value(counts, wrong) < 1e-6
+
+
+class RunsAtOnce(concurrent.futures.Executor):
+    """An executor whose futures are done when `submit` returns: a compile that finished (a bad
+    spec fails in microseconds) before the compiler attached its callback, made certain."""
+
+    def submit(self, fn, *args, **kwargs):
+        f = concurrent.futures.Future()
+        try:
+            f.set_result(fn(*args, **kwargs))
+        except BaseException as e:  # noqa: BLE001 - the future carries it, as a pool's would
+            f.set_exception(e)
+        return f
+
+
+@pytest.mark.parametrize("spec", [{"regex": "(("}, {"regex": "[ab]+"}])
+def test_a_compile_done_before_its_callback_is_attached_returns(tiny_llm, spec):
+    """The callback of an already finished future runs inside add_done_callback, in the caller's
+    thread; attached while the compiler held its lock, it waited for that lock forever (a CI run
+    hung here when a failing compile beat the callback)."""
+    compiler = tiny_llm.llm_engine.structured.compiler
+    pool, compiler._pool = compiler._pool, RunsAtOnce()
+    params = StructuredOutputsParams(**spec)
+    outcome = []
+    worker = threading.Thread(target=lambda: outcome.append(compiler.submit(params).exception()), daemon=True)
+    try:
+        worker.start()
+        worker.join(timeout=60)
+    finally:
+        compiler._pool = pool
+    assert not worker.is_alive(), "submit never returned: its callback waited for the compiler's lock"
+    assert (outcome[0] is None) == ("+" in spec["regex"]), outcome  # the bad spec's error is its future's
