@@ -79,7 +79,7 @@ class LessonsBesideTheRest(LoadFileScheduling):
         lessons = lessons_queue(scopes, self.seconds, self.first_lesson_sent)
         rest = [s for s in scopes if s not in lessons]
         # the lessons' worker takes other files until the learner's install is there: its lessons
-        # would only wait for it (it took 9 minutes beside the other worker's tests)
+        # would only wait for it (minutes of pip beside the other worker's tests)
         lessons_first = node.gateway.id == LESSONS_WORKER and self.learner_ready()
         home, other = (lessons, rest) if lessons_first else (rest, lessons)
         scope = (home or other)[0]
