@@ -55,6 +55,7 @@ def one_thread():
     torch.set_num_threads(before)
 
 
+@pytest.hookimpl(optionalhook=True)  # without xdist (gpu_check.py's in-process `pytest -m cuda`) it is unknown
 def pytest_xdist_make_scheduler(config, log):
     """On two workers (`.ci/run`: `-n 2 --dist loadfile`), the lessons run beside the rest of the
     suite, each lesson a unit of its own (tests/schedule.py)."""
