@@ -277,7 +277,8 @@ def section_cuda_tests(run: Run) -> None:
     run.section.numbers.update(passed=len(passed), failed=len(failed), skipped=len(skipped), exit_code=int(code))
     # exit code 5: no test selected; on a CPU every cuda test is skipped, which is the dry run's pass
     run.check("pytest -m cuda", int(code) in (0, 5) and not failed,
-              f"{len(passed)} passed, {len(failed)} failed, {len(skipped)} skipped"
+              f"{len(passed)} passed, {len(failed)} failed, {len(skipped)} skipped, pytest exit {int(code)}"
+              + (" (an internal or usage error: see the log above)" if int(code) in (3, 4) else "")
               + (f"; failed: {', '.join(failed[:5])}" if failed else ""))
     if run.device == "cuda":
         run.check("cuda tests ran on the GPU", len(passed) > 0, f"{len(passed)} passed")
