@@ -63,6 +63,7 @@ class Soak:
     max_tokens: tuple[int, int] = (16, 48)
     seed: int = 0
     client_timeout: float = 60.0
+    max_retries: int = 8             # each client's retries of a refused request (Retry-After apart)
     records: list[SoakRecord] = field(default_factory=list)
     probes: list[dict] = field(default_factory=list)     # the hostile requests and what they got
     samples: list[dict] = field(default_factory=list)    # per replica, over time
@@ -84,7 +85,7 @@ class Soak:
     def _run_load(self, url: str) -> None:
         rng = random.Random(self.seed)
         client = ResilientClient(url, timeout=self.client_timeout, failure_threshold=10 ** 6,
-                                 retry=RetryPolicy(max_retries=8, base_delay=0.25, max_delay=5.0), seed=self.seed)
+                                 retry=RetryPolicy(max_retries=self.max_retries, base_delay=0.25, max_delay=5.0), seed=self.seed)
         self.start = time.monotonic()
         stop = threading.Event()
         sampler = threading.Thread(target=self._sample, args=(stop,), daemon=True)
