@@ -27,7 +27,8 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 
-from llmopt.layers.attention import AttentionMetadata, paged_attention_torch
+from llmopt.layers.attention import AttentionMetadata
+from llmopt.layers.paged_attention import paged_attention_torch
 from llmopt.worker.kv_cache import PagedKVCache
 from llmopt.kernels import cpu
 from llmopt.kernels.cpu.gguf_blocks import GGUFBlockWeight
@@ -125,8 +126,7 @@ def attention_rows(repeats: int) -> list[dict]:
             cache, b, q, k, v = attention_case(batch, context)
             scale = HEAD_DIM ** -0.5
             kv_bytes = 2 * batch * (context + 1) * KV_HEADS * HEAD_DIM * 2
-            torch_path = timed(lambda: paged_attention_torch(q, k, v, cache.k[0], cache.v[0], 1.0, 1.0, b, BLOCK,
-                                                             scale), repeats)
+            torch_path = timed(lambda: paged_attention_torch(q, k, v, cache, 0, scale), repeats)
             kernel = timed(lambda: paged_attention_cpu(q, cache.k[0], cache.v[0], b.block_table_tensor,
                                                        b.query_start_loc, b.seq_lens_tensor, scale), repeats)
             rows.append({"batch": batch, "context": context, "torch_us": torch_path * 1e6,

@@ -37,7 +37,7 @@ from llmopt.eval import heldout_text, perplexity
 
 def rotated_per_head_kv(llm) -> None:
     """Keys and values turned by a Hadamard matrix, one e4m3 scale per KV head from the calibration split."""
-    from llmopt.worker.kv_cache import calibration_token_ids
+    from llmopt.worker.kv_scales import calibration_token_ids
 
     eng = llm.llm_engine
     eng.kv_cache.calibrate(eng.model, calibration_token_ids(eng.tokenizer), per_head=True, rotate=True)

@@ -44,10 +44,11 @@ def make_llm(run, model, interpret: bool = False, **kw):
         kw.setdefault("num_kv_blocks", 48)
     llm = LLM(model=str(model), device=run.device, dtype=kw.pop("dtype", run.bf16), **kw)
     cache = llm.llm_engine.kv_cache
-    if run.dry_run:  # the kernels the GPU runs, through the interpreter
-        cache.use_triton = interpret
-    else:
-        run.check(f"engine uses the Triton kernels ({llm.llm_engine.num_blocks} KV blocks)", cache.use_triton)
+    if interpret:  # the Triton kernels by name: through the interpreter in the dry run, and in an eager engine
+        cache.use_attention("triton")  # (enforce_eager=True reads its pool with plain torch)
+    elif not run.dry_run and not kw.get("enforce_eager"):
+        run.check(f"engine uses the Triton kernels ({llm.llm_engine.num_blocks} KV blocks)",
+                  cache.attention == "triton", cache.attention)
     return llm
 
 
@@ -162,9 +163,9 @@ def check_greedy(run, what, mine, theirs, hf=None, requests=None):
 def section_engine_tiny(run) -> None:
     from llmopt import model_path
 
-    # eager: a CUDA graph captured with the Triton kernels would replay them after use_triton=False
+    # eager: a CUDA graph captured with the Triton kernels would replay them after the switch to torch below
     llm = make_llm(run, "tiny", interpret=True, enforce_eager=True)
-    run.check("engine-tiny runs the paged-attention kernels", llm.llm_engine.kv_cache.use_triton)
+    run.check("engine-tiny runs the paged-attention kernels", llm.llm_engine.kv_cache.attention == "triton")
     reqs = prompts(run, llm.tokenizer, 8)
     if run.dry_run:
         reqs = [type(r)(r.prompt_token_ids, 3) for r in reqs[:2]]
@@ -172,7 +173,7 @@ def section_engine_tiny(run) -> None:
     hf = load_hf(run, model_path("tiny"))
     hf_tokens = hf_greedy(hf, reqs)
     check_greedy(run, "tiny, engine (Triton) vs transformers", triton_tokens, hf_tokens, hf, reqs)
-    llm.llm_engine.kv_cache.use_triton = False
+    llm.llm_engine.kv_cache.use_attention("torch")
     check_greedy(run, "tiny, engine (torch attention) vs transformers", engine_greedy(llm, reqs), hf_tokens,
                  hf, reqs)
     if run.device == "cuda":

@@ -46,14 +46,13 @@ def section_cuda_graphs(run) -> None:
     if run.device == "cuda":
         run.check("decode steps replay CUDA graphs", engine.decode_path == "cuda graphs", engine.decode_path)
     else:  # the CPU's compiled step would take the steps: the graph path's buffers in its place
-        engine.runner.compiled = None
-        engine.runner.graphs = GraphedDecode(engine.model, engine.kv_cache, max(BATCHES),
+        engine.runner.backend = GraphedDecode(engine.model, engine.kv_cache, max(BATCHES),
                                              -(-engine.max_model_len // engine.block_size), capture=call_again)
     reqs = prompts(run, graphed.tokenizer, 16)
     check_greedy(run, "SmolLM2, CUDA graphs vs eager (bf16)", engine_greedy(graphed, reqs), engine_greedy(eager, reqs))
-    replayed = engine.runner.graphs.replayed
-    run.check("decode steps were replayed", sum(replayed.values()) > 0 and engine.runner.graphs.failed is None,
-              engine.runner.graphs.failed or ", ".join(f"bucket {b}: {n}" for b, n in replayed.items() if n))
+    replayed = engine.runner.backend.replayed
+    run.check("decode steps were replayed", sum(replayed.values()) > 0 and engine.runner.backend.failed is None,
+              engine.runner.backend.failed or ", ".join(f"bucket {b}: {n}" for b, n in replayed.items() if n))
     rows, steps = [], 3 if run.dry_run else 20
     for batch in BATCHES[:2] if run.dry_run else BATCHES:
         if not run.has_time(10):

@@ -32,7 +32,7 @@ def paged_batch(run, seq_lens, query_lens, *, num_kv_heads, group, head_dim, blo
     """A pool with each sequence's blocks scattered over it (unowned slots hold NaN, so a read of
     a wrong slot shows), keys and values written through `write_kv`, and the flat queries."""
     from llmopt.fp8 import per_tensor_scale
-    from llmopt.kernels import paged_attention as pa
+    from llmopt.worker.kv_cache import write_kv
 
     dev = run.device
     cache_dtype = cache_dtype or dtype
@@ -60,7 +60,7 @@ def paged_batch(run, seq_lens, query_lens, *, num_kv_heads, group, head_dim, blo
         k_scale, v_scale = per_tensor_scale(k, cache_dtype).item(), per_tensor_scale(v, cache_dtype).item()
     else:
         k, v = k.to(dtype), v.to(dtype)
-    pa.write_kv(k, v, k_cache, v_cache, torch.cat(slots).to(dev), k_scale, v_scale)
+    write_kv(k, v, k_cache, v_cache, torch.cat(slots).to(dev), k_scale, v_scale)
     q = torch.randn(sum(query_lens), num_kv_heads * group, head_dim, generator=gd, device=dev).to(dtype)
     qsl = torch.tensor([0] + list(query_lens)).cumsum(0).int().to(dev)
     return dict(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=tables.to(dev), query_start_loc=qsl,
@@ -133,7 +133,7 @@ def check_paged_attention(run) -> None:
 
 def check_write_kv(run) -> None:
     """An fp8 pool written on the device holds the CPU's bytes (clamp, round to nearest even)."""
-    from llmopt.kernels import paged_attention as pa
+    from llmopt.worker.kv_cache import write_kv
 
     g = torch.Generator().manual_seed(0)
     x = torch.cat([torch.randn(4096, generator=g) * 50, torch.tensor([1e9, -1e9, 0.0, -0.0, 3e-6])])
@@ -142,8 +142,8 @@ def check_write_kv(run) -> None:
     for name, fp8 in FP8.items():
         cpu = [torch.zeros(x.shape[0], 1, 1, 16, dtype=fp8) for _ in range(2)]
         dev = [c.to(run.device) for c in cpu]
-        pa.write_kv(x, x, *cpu, slots, 0.3, 1.0)
-        pa.write_kv(x.to(run.device), x.to(run.device), *dev, slots.to(run.device), 0.3, 1.0)
+        write_kv(x, x, *cpu, slots, 0.3, 1.0)
+        write_kv(x.to(run.device), x.to(run.device), *dev, slots.to(run.device), 0.3, 1.0)
         same = all(torch.equal(c.view(torch.uint8), d.cpu().view(torch.uint8)) for c, d in zip(cpu, dev))
         finite = all(torch.isfinite(d.float()).all().item() for d in dev)
         run.check(f"write_kv {name}: device bytes == CPU bytes, all finite", same and finite)

@@ -105,7 +105,7 @@ def prepare(llm, spec: dict) -> None:
     """What a row does to a loaded engine beyond LLM(...)'s arguments: per-head FP8 KV scales
     (keys smoothed, per channel, or keys and values rotated first), or FP8 activations (W8A8)."""
     from llmopt.layers.linear import round_fp8_activations
-    from llmopt.worker.kv_cache import calibration_token_ids
+    from llmopt.worker.kv_scales import calibration_token_ids
 
     engine = llm.llm_engine
     if spec.get("per_head_kv"):
@@ -124,7 +124,7 @@ class EmulatedFP8KV:
         from llmopt.worker.kv_cache import NoKVCache
 
         self.cache, self.parts, self.k_scale, self.v_scale = NoKVCache(), parts, k_scale, v_scale
-        self.layout = "none"
+        self.layout, self.rotation, self.attend = "none", None, NoKVCache.attend
 
     def begin_step(self, meta) -> None:
         self.cache.begin_step(meta)
@@ -146,7 +146,8 @@ def emulated_window_nll(llm, parts: str, max_tokens: int) -> list[tuple[float, i
     """window_nll's windows (512 tokens, overlapping by one), scored with EmulatedFP8KV."""
     from llmopt.layers.attention import AttentionMetadata
     from llmopt.model.forward import run_model
-    from llmopt.worker.kv_cache import calibration_token_ids, observe_kv_amax
+    from llmopt.worker.kv_cache import observe_kv_amax
+    from llmopt.worker.kv_scales import calibration_token_ids
     from llmopt.eval import heldout_text
     from llmopt.fp8 import scale_from_amax
 
@@ -222,7 +223,8 @@ def qk_overlap(num_tokens: int = 512) -> dict:
     from llmopt.layers.attention import AttentionMetadata
     from llmopt.layers.hadamard import random_hadamard
     from llmopt.model.forward import run_model
-    from llmopt.worker.kv_cache import NoKVCache, calibration_token_ids
+    from llmopt.worker.kv_cache import NoKVCache
+    from llmopt.worker.kv_scales import calibration_token_ids
 
     engine = LLM(MODEL).llm_engine
     seen, attend = {}, llama.attention

@@ -48,8 +48,10 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputsParams | None = None  # JSON schema, regex, choice, grammar
-    # filled in from `stop` so that the engine always sees a list
-    _stop_list: list[str] = field(default_factory=list, repr=False, compare=False)
+    # derived once the fields are checked, so that each step reads plain attributes: `stop` as a
+    # list, and whether the request is greedy
+    stop_strings: list[str] = field(init=False, default_factory=list, repr=False, compare=False)
+    greedy: bool = field(init=False, default=False, repr=False, compare=False)
 
     def __post_init__(self):
         # Each number is checked and stored as a plain float / int: a Fraction (a Real) passed the
@@ -89,7 +91,7 @@ class SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else _list("stop", self.stop, "strings")
         if not all(isinstance(s, str) and s for s in stop):
             raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
-        self._stop_list = stop
+        self.stop_strings = stop
         ids = _list("stop_token_ids", self.stop_token_ids, "token ids")
         if not all(isinstance(t, Integral) and not isinstance(t, bool) and t >= 0 for t in ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
@@ -97,14 +99,7 @@ class SamplingParams:
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise TypeError("structured_outputs must be a StructuredOutputsParams (json=, regex=, choice=, "
                             f"grammar= or json_object=True), got {type(self.structured_outputs).__name__}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature < GREEDY_TEMPERATURE
-
-    @property
-    def stop_strings(self) -> list[str]:
-        return self._stop_list
+        self.greedy = self.temperature < GREEDY_TEMPERATURE
 
 
 def _list(name, value, what) -> list:

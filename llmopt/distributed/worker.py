@@ -60,7 +60,8 @@ class Worker:
 
     def init_kv_cache(self, num_blocks: int) -> PagedKVCache:
         self.kv_cache = PagedKVCache(self.layers[1] - self.layers[0], num_blocks, self.config.block_size,
-                                     self.num_kv_heads, self.head_dim, self.dtype, self.device)
+                                     self.num_kv_heads, self.head_dim, self.dtype, self.device,
+                                     kernels=not self.config.enforce_eager)
         return self.kv_cache
 
     @torch.inference_mode()

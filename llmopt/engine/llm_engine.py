@@ -19,7 +19,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-from numbers import Integral
 
 import torch
 
@@ -28,7 +27,7 @@ from llmopt.engine import stats
 from llmopt.engine.block_manager import BlockManager
 from llmopt.engine.kv_budget import HostMemoryRelease, check_kv_pool_fits, kv_blocks_from_budget
 from llmopt.engine.radix_cache import RadixCache
-from llmopt.engine.request_checks import ProcessedPrompt, check_prompt, check_request
+from llmopt.engine.request_checks import ProcessedPrompt, check_priority, check_prompt, check_request
 from llmopt.engine.scheduler import Scheduler, SchedulerOutput
 from llmopt.model.config import ModelConfig
 from llmopt.model.loader import generation_eos_ids, load_model, load_tokenizer
@@ -40,6 +39,7 @@ from llmopt.spec.proposers import make_proposer
 from llmopt.structured.manager import StructuredOutputManager
 from llmopt.worker import huge_pages, kv_pools
 from llmopt.worker.kv_cache import kv_cache_torch_dtype
+from llmopt.worker.backends import choose_step_backend
 from llmopt.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -93,10 +93,11 @@ class LLMEngine:
                                    config.scheduling_policy, max_in_flight=config.pipeline_parallel_size)
         self.runner = (ModelRunner if self.executor is None else self.executor.make_runner)(
             self.model, self.kv_cache, self.block_manager, self.device, self.eos_token_ids)
-        # vLLM's enforce_eager: False runs the steps compiled (one C++ call on the CPU, CUDA graphs on a GPU)
-        why = ("enforce_eager=True" if config.enforce_eager else "tensor/pipeline parallel ranks" if self.executor
-               else self.runner.enable_compiled_decode(config.max_num_seqs, -(-self.max_model_len // self.block_size)))
-        self.decode_path = f"eager ({why})" if why else "cuda graphs" if self.runner.graphs else "compiled"
+        # how every step's forward runs, chosen once: eager torch, the compiled CPU step, CUDA graphs
+        self.runner.backend = choose_step_backend(
+            self.model, self.kv_cache, self.device, config.enforce_eager, self.executor is not None,
+            config.max_num_seqs, -(-self.max_model_len // self.block_size))
+        self.decode_path = self.runner.backend.path
         self.requests: dict[str, Sequence] = {}
         # structured outputs: grammars compile in worker threads; bitmask, matchers, jump-forward
         self.structured = StructuredOutputManager(self.tokenizer, cfg.vocab_size, self.eos_token_ids)
@@ -108,7 +109,8 @@ class LLMEngine:
         sc = config.speculative_config
         self.num_spec_tokens = sc["num_speculative_tokens"] if sc else 0
         if self.proposer is not None:
-            self.proposer.bind(self.block_manager, self.num_blocks, compiled=self.decode_path == "compiled")
+            self.proposer.bind(self.block_manager, self.num_blocks, compiled=self.decode_path == "compiled",
+                               kernels=not config.enforce_eager)
         self.spec_stats = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0,
                            "accepted_per_position": [0] * self.num_spec_tokens}
         # last, so dropped last: `del llm` frees the engine (no cycle), then this returns the pages to the OS
@@ -159,8 +161,7 @@ class LLMEngine:
         `process_inputs` returned (then `params` is already part of it)."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        if not isinstance(priority, Integral) or isinstance(priority, bool):
-            raise ValueError(f"priority must be an integer, got {priority!r}")
+        priority = check_priority(priority)
         checked = prompt if isinstance(prompt, ProcessedPrompt) else self.process_inputs(prompt, params, request_id)
         params = checked.params
         gen = None
@@ -168,7 +169,7 @@ class LLMEngine:
             gen = torch.Generator(device=self.device).manual_seed(params.seed)
         elif not params.greedy:
             gen = self.generator
-        seq = Sequence(request_id, checked.text, checked.token_ids, params, gen, arrival_time, int(priority))
+        seq = Sequence(request_id, checked.text, checked.token_ids, params, gen, arrival_time, priority)
         self.requests[request_id] = seq
         if params.structured_outputs is not None:
             self.structured.add(seq)  # joins the scheduler once its grammar has compiled
@@ -215,8 +216,8 @@ class LLMEngine:
 
     # -- one step --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        # constrained requests whose grammar finished compiling join the scheduler now
-        failed = self.structured.admit_ready(self, wait=not self.scheduler.has_unfinished())
+        waiting = self.structured.pending  # constrained requests whose grammar compiled join the scheduler now
+        failed = self.structured.admit_ready(self, wait=not self.scheduler.has_unfinished()) if waiting else []
         if self.runner.max_in_flight > 1:  # pipeline parallelism: micro-batches in flight
             return failed + self._pipelined_step()
         sched = self._schedule()
@@ -347,23 +348,22 @@ class LLMEngine:
         again), so that only a request that fails by itself fails. A seeded request retried
         this way may draw differently from a run without the failure: its generator may have
         been used before the batch raised."""
-        def run(items):
-            sampled = self.runner.execute(items)
-            if self.proposer is not None:
-                self.proposer.observe(self.runner)
-            return sampled
-
         if not scheduled:
             return {}, {}
         try:
-            return run(scheduled), {}
+            sampled = self.runner.execute(scheduled)
+            if self.proposer is not None:
+                self.proposer.observe(self.runner)
+            return sampled, {}
         except Exception as e:
             if len(scheduled) == 1:
                 return {}, {scheduled[0][0].request_id: e}
         sampled, errors = {}, {}
-        for item in scheduled:
+        for item in scheduled:  # the batch raised: each request alone
             try:
-                sampled.update(run([item]))
+                sampled.update(self.runner.execute([item]))
+                if self.proposer is not None:
+                    self.proposer.observe(self.runner)
             except Exception as e:
                 errors[item[0].request_id] = e
         return sampled, errors

@@ -82,6 +82,13 @@ def check_request(engine, ids: list[int], params: SamplingParams, index: int | s
                          "prefill off; enable_chunked_prefill=True, or lower max_tokens")
 
 
+def check_priority(priority) -> int:
+    """A request's priority (lower runs first under scheduling_policy="priority"): an integer."""
+    if not isinstance(priority, Integral) or isinstance(priority, bool):
+        raise ValueError(f"priority must be an integer, got {priority!r}")
+    return int(priority)
+
+
 @dataclass(frozen=True)
 class ProcessedPrompt:
     """A prompt and its sampling parameters, checked and tokenized (`LLMEngine.process_inputs`)."""

@@ -5,8 +5,9 @@ A contiguous KV cache reserves room for the longest possible sequence; a paged o
 out on demand. `k_cache` and `v_cache` are `[num_blocks, block_size, num_kv_heads,
 head_dim]`; sequence i owns the blocks listed in row i of `block_tables` (int32, padded
 with 0 past its last block), so the token at position p lives in block
-`block_tables[i, p // block_size]`, slot `p % block_size`. `write_kv` stores a step's
-new keys and values first, so attention reads every key, its own included, from the pool.
+`block_tables[i, p // block_size]`, slot `p % block_size`. The pool's `write_kv`
+(llmopt/worker/kv_cache.py) stores a step's new keys and values first, so attention reads
+every key, its own included, from the pool.
 
 The batch is flat, as in vLLM: `q` is `[num_tokens, num_heads, head_dim]`, the new tokens
 of every sequence one after another; `query_start_loc` (int32, num_seqs + 1) marks where
@@ -50,32 +51,6 @@ FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 def is_fp8_cache(cache: torch.Tensor) -> bool:
     return cache.dtype in FP8_DTYPES
-
-
-def _to_cache_dtype(x: torch.Tensor, cache: torch.Tensor, scale: float) -> torch.Tensor:
-    """What a value becomes in the cache: itself, or fp8(clamp(x / scale)) for an fp8 cache.
-    The clamp is needed: past the largest finite value a cast gives inf (e5m2) or, where the
-    conversion does not saturate, NaN (e4m3 has no inf)."""
-    if not is_fp8_cache(cache):
-        return x.to(cache.dtype)
-    fmax = torch.finfo(cache.dtype).max
-    return (x.float() / scale).clamp(-fmax, fmax).to(cache.dtype)
-
-
-def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
-    """Store new tokens' keys and values in the pool, before attention reads them.
-
-    k, v: [num_tokens, num_kv_heads, head_dim]; slot_mapping[t] = block * block_size + offset.
-    Viewing the pool as one long row of slots turns the write into a plain index_copy_.
-    An fp8 pool stores fp8(clamp(k / k_scale)) and fp8(clamp(v / v_scale))."""
-    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    slots = slot_mapping.long()
-    for x, cache, scale in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
-        x = _to_cache_dtype(x, cache, scale)
-        if is_fp8_cache(cache):  # copy bytes: index_copy_ has no float8 version on every device
-            cache, x = cache.view(torch.uint8), x.view(torch.uint8)
-        cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, x)
 
 
 if HAS_TRITON:

@@ -13,8 +13,9 @@ New queries sit at the end of their sequence: query j of n new tokens has positi
 only the last `window` of those). With GQA each group of `num_queries_per_kv` query heads
 reads one shared key/value head.
 
-On a GPU, SDPA's fused kernels do this (`enable_gqa` handles the groups), and paged pools
-go through the Triton kernels of llmopt.kernels.paged_attention. On the CPU, two plain matmuls
+On a GPU, SDPA's fused kernels do this (`enable_gqa` handles the groups); paged pools are read
+by llmopt.layers.paged_attention (torch, the C++ kernel or Triton, fixed when the pool is built).
+On the CPU, two plain matmuls
 per tile of queries beat SDPA for an engine's shapes (2.8x for a 256-token prompt, 4.6x for
 1024, bundled model, 2 threads): a group's query heads are stacked into one matrix, so each kv
 head's keys are read by one matmul, never copied per query head; and each tile multiplies only
@@ -29,9 +30,6 @@ from itertools import accumulate
 import torch
 import torch.nn.functional as F
 
-from llmopt.kernels import cpu
-from llmopt.kernels.cpu.paged_attention import POOL_DTYPES, QUERY_DTYPES, paged_attention_cpu
-from llmopt.kernels.paged_attention import paged_attention as paged_attention_triton
 
 
 @dataclass
@@ -112,31 +110,33 @@ def _positions(context_lens, query_lens, device) -> torch.Tensor:
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache, layer: int, scale: float,
               window: int | None = None) -> torch.Tensor:
     """Store this step's keys and values in `kv_cache`, then attend. q: [T, Hq, D]; k, v: [T, Hkv, D].
-    A cache with a `rotation` R (orthogonal [D, D]: PagedKVCache.rotate) is handed k R and v R:
-    (q R).(k R) = q.k, so the scores stay, and the output, a mix of turned values, turns back."""
-    r = getattr(kv_cache, "rotation", None)
+
+    How the cache attends was fixed when it was built (`kv_cache.attend`, one of the functions
+    below: whole sequences, contiguous strips, or a paged pool read by torch, the C++ kernel or
+    Triton), so nothing here chooses. A cache with a `rotation` R (orthogonal [D, D]:
+    PagedKVCache.rotate) is handed k R and v R: (q R).(k R) = q.k, so the scores stay, and the
+    output, a mix of turned values, turns back."""
+    r = kv_cache.rotation
     if r is not None:
         r = r.to(q.dtype)
         q, k, v = q @ r, k @ r, v @ r
-    meta = kv_cache.metadata
-    held = kv_cache.store(layer, k, v)  # a cache that keeps nothing may hand back what to read instead
-    if kv_cache.layout == "paged":
-        out = paged_attention(q, k, v, kv_cache, layer, meta, scale, window)
-    elif kv_cache.layout == "contiguous":
-        out = contiguous_attention(q, kv_cache.k[layer], kv_cache.v[layer], meta, scale, window)
-    elif kv_cache.layout == "none":  # every sequence is whole in this step: its keys are this step's
-        k, v = held if held is not None else (k, v)
-        starts = [0, *accumulate(meta.query_lens)]
-        out = torch.cat([sequence_attention(q[s:e], k[s:e], v[s:e], scale, window)
-                         for s, e in zip(starts, starts[1:])])
-    else:
-        raise TypeError(f"{type(kv_cache).__name__} keeps {kv_cache.layout} rows, not keys and values per "
-                        "head (an MLA model's latent cache is read by llmopt.layers.mla)")
+    held = kv_cache.store(layer, k, v)
+    if held is not None:  # a cache that keeps nothing may hand back what to read instead
+        k, v = held
+    out = kv_cache.attend(q, k, v, kv_cache, layer, scale, window)
     return out if r is None else out @ r.T
 
 
-def contiguous_attention(q, K, V, meta: AttentionMetadata, scale, window=None):
-    """Over strips K, V [max_seqs, Hkv, max_len, D] that already hold this step's keys."""
+def whole_sequence_attention(q, k, v, cache, layer: int, scale: float, window=None):
+    """Every sequence is whole in this step (no cache): its keys are this step's."""
+    starts = [0, *accumulate(cache.metadata.query_lens)]
+    return torch.cat([sequence_attention(q[s:e], k[s:e], v[s:e], scale, window) for s, e in zip(starts, starts[1:])])
+
+
+def contiguous_attention(q, k, v, cache, layer: int, scale: float, window=None):
+    """Over the strips K, V [max_seqs, Hkv, max_len, D] of a ContiguousKVCache, which already
+    hold this step's keys."""
+    K, V, meta = cache.k[layer], cache.v[layer], cache.metadata
     if meta.is_decode:  # every sequence brings one token: attend in one batched call
         idx = torch.tensor(meta.slots, device=K.device)
         lens = torch.tensor(meta.seq_lens, device=K.device)
@@ -148,166 +148,6 @@ def contiguous_attention(q, K, V, meta: AttentionMetadata, scale, window=None):
                                        V[slot, :, :total].transpose(0, 1), scale, window))
         start += n
     return torch.cat(outs)
-
-
-# -- paged attention --------------------------------------------------------------------------------
-
-def paged_attention(q, k, v, cache, layer: int, meta: AttentionMetadata, scale: float, window=None):
-    """Over a paged pool [num_blocks, block_size, Hkv, D] whose slots already hold this step's keys.
-
-    On CUDA the Triton kernels read the block tables directly; on the CPU the C++ kernel does
-    (llmopt/kernels/cpu/paged_attention.cpp: each key read once for its query heads, long
-    contexts split across threads). Where neither runs, a torch path: decodes gathered in
-    groups of similar length into one padded batch each (one SDPA call per group), prompts and
-    chunks one at a time. It is the kernels' reference too. An FP8 pool is read as fp8 * scale.
-    """
-    K, V = cache.k[layer], cache.v[layer]
-    ks, vs = cache.k_scale[layer], cache.v_scale[layer]
-    cpu_kernel = (getattr(cache, "use_cpu_kernel", True) and q.device.type == "cpu" and q.dtype in QUERY_DTYPES
-                  and K.dtype in POOL_DTYPES and isinstance(ks, float) and cpu.available())
-    if meta.tree_masks is not None:  # draft trees: the kernels read tree_bits; else the torch path
-        if meta.tree_bits is not None and window is None and cache.use_triton:
-            return paged_attention_triton(q, K, V, meta.block_table_tensor, meta.query_start_loc,
-                                          meta.seq_lens_tensor, scale, None, max_query_len=max(meta.query_lens),
-                                          k_scale=ks, v_scale=vs, tree_bits=meta.tree_bits)
-        if meta.tree_bits is not None and window is None and cpu_kernel:
-            return paged_attention_cpu(q, K, V, meta.block_table_tensor, meta.query_start_loc, meta.seq_lens_tensor,
-                                       scale, None, ks, vs, tree_bits=meta.tree_bits)
-        return paged_masked_attention(q, K, V, ks, vs, meta, cache.block_size, scale, window)
-    if cache.use_triton:
-        return paged_attention_triton(q, K, V, meta.block_table_tensor, meta.query_start_loc,
-                                      meta.seq_lens_tensor, scale, window, max_query_len=max(meta.query_lens),
-                                      k_scale=ks, v_scale=vs)
-    if cpu_kernel:
-        return paged_attention_cpu(q, K, V, meta.block_table_tensor, meta.query_start_loc, meta.seq_lens_tensor,
-                                   scale, window, ks, vs)
-    return paged_attention_torch(q, k, v, K, V, ks, vs, meta, cache.block_size, scale, window)
-
-
-def paged_attention_torch(q, k, v, K, V, ks, vs, meta: AttentionMetadata, block_size: int, scale: float,
-                          window=None):
-    """The torch path over the pool K, V (see paged_attention)."""
-    decode_groups, prefills = _torch_plan(meta, block_size, K.shape[2], q.dtype, K.device)
-    out = torch.empty_like(q)
-    num_kv_heads, head_dim = K.shape[2], K.shape[3]
-    for tokens, gather, mask, lens, L in decode_groups:
-        # each group's keys and values as a padded [B, Hkv, L, D] batch (index_select is the
-        # fastest gather torch has on CPU), then one SDPA call
-        B = tokens.shape[0]
-        kg = _read(K.view(-1, head_dim), gather, ks, q.dtype, (B, num_kv_heads, L, head_dim))
-        vg = _read(V.view(-1, head_dim), gather, vs, q.dtype, (B, num_kv_heads, L, head_dim))
-        if window is not None:  # sliding window: only the last `window` keys of each sequence
-            pos = torch.arange(L, device=q.device)
-            mask = mask.masked_fill((pos[None, :] < lens[:, None] - window)[:, None, None, :], float("-inf"))
-        out[tokens] = F.scaled_dot_product_attention(q[tokens].unsqueeze(2), kg, vg, attn_mask=mask,
-                                                     scale=scale, enable_gqa=True).squeeze(2)
-    fp8 = K.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
-    for s, e, ctx, blocks in prefills:
-        if blocks is None and not fp8:  # a whole prompt: its keys are this step's keys
-            keys, values = k[s:e], v[s:e]
-        elif blocks is None:            # ... as the FP8 pool holds them, so chunked == unchunked
-            slots = meta.slot_mapping[s:e].long()
-            keys = _read(K.view(-1, *K.shape[2:]), slots, ks, q.dtype)
-            values = _read(V.view(-1, *V.shape[2:]), slots, vs, q.dtype)
-        else:                           # a chunk after cached context: read the context from the blocks
-            keys = _read(K, blocks, ks, q.dtype).flatten(0, 1)[:ctx + e - s]
-            values = _read(V, blocks, vs, q.dtype).flatten(0, 1)[:ctx + e - s]
-        out[s:e] = sequence_attention(q[s:e], keys, values, scale, window)
-    return out
-
-
-def paged_masked_attention(q, K, V, ks, vs, meta: AttentionMetadata, block_size: int, scale: float,
-                           window=None):
-    """A step with explicit masks (draft-tree verification, llmopt/worker/draft_tree.py): each
-    sequence's keys are read from its blocks in slot order and its queries attend where its
-    mask allows (a sequence without one: causal). Slot order need not be position order here;
-    keys carry their positions already (RoPE was applied before they were stored). Two matmuls
-    with each group's query heads stacked, as in _tiled_attention (SDPA's masked CPU path is slower)."""
-    out = torch.empty_like(q)
-    num_kv_heads, head_dim = K.shape[2], K.shape[3]
-    group = q.shape[1] // num_kv_heads
-    start = 0
-    for i, (n, total) in enumerate(zip(meta.query_lens, meta.seq_lens)):
-        blocks = torch.tensor(meta.block_tables[i][:-(-total // block_size)], device=q.device)
-        keys = _read(K, blocks, ks, q.dtype).flatten(0, 1)[:total]      # [L, Hkv, D]
-        values = _read(V, blocks, vs, q.dtype).flatten(0, 1)[:total]
-        mask = meta.tree_masks[i]
-        if mask is None:
-            mask = causal_mask(n, total, window, q.device)
-        elif window is not None:
-            raise ValueError("draft-tree steps do not support sliding-window attention")
-        grouped = q[start:start + n].view(n, num_kv_heads, group, head_dim).transpose(0, 1)
-        scores = torch.bmm(grouped.reshape(num_kv_heads, n * group, head_dim), keys.permute(1, 2, 0))
-        scores = (scores.view(num_kv_heads, n, group, total).float() * scale).masked_fill_(
-            ~mask[None, :, None, :], float("-inf"))
-        probs = scores.softmax(-1).to(q.dtype).view(num_kv_heads, n * group, total)
-        heads = torch.bmm(probs, values.transpose(0, 1)).view(num_kv_heads, n, group, head_dim)
-        out[start:start + n] = heads.transpose(0, 1).reshape(n, -1, head_dim)
-        start += n
-    return out
-
-
-# Decodes are attended in groups of similar length: the torch path pads each group to its
-# longest context, so sorting by length first keeps the padding small.
-DECODE_GROUP = 16
-
-
-def _torch_plan(meta: AttentionMetadata, block_size: int, num_kv_heads: int, dtype, device):
-    """The torch path's gathers and masks, worked out once per step (not once per layer) and
-    kept on the metadata for every pool of the same shape."""
-    key = (block_size, num_kv_heads, dtype, str(device))
-    if key in meta.plans:
-        return meta.plans[key]
-    decode = sorted((i for i, n in enumerate(meta.query_lens) if n == 1), key=lambda i: meta.seq_lens[i])
-    starts = meta.query_start_loc[:-1].long()
-    groups = []
-    for g in range(0, len(decode), DECODE_GROUP):
-        rows = decode[g:g + DECODE_GROUP]
-        index = torch.tensor(rows, device=device)
-        lens = meta.seq_lens_tensor.long()[index]
-        L = meta.seq_lens[rows[-1]]  # rows are sorted by length: the group's longest
-        tables = meta.block_table_tensor[index, :-(-L // block_size)].long()
-        # Each sequence's slots for positions 0..L-1; positions past its own length (the
-        # group's padding) re-read its position 0, a written slot, and are masked out.
-        pos = torch.arange(L, device=device)
-        valid = pos[None, :] < lens[:, None]
-        slots = tables[:, pos // block_size] * block_size + pos % block_size
-        slots = torch.where(valid, slots, slots[:, :1])
-        # The pool viewed as rows of head_dim numbers, ordered (sequence, kv head, position):
-        # one gather gives each group a contiguous [B, Hkv, L, D].
-        heads = torch.arange(num_kv_heads, device=device)
-        gather = (slots[:, None, :] * num_kv_heads + heads[None, :, None]).flatten()
-        mask = torch.zeros(len(rows), 1, 1, L, dtype=dtype, device=device).masked_fill_(
-            ~valid[:, None, None, :], float("-inf"))
-        groups.append((starts[index], gather, mask, lens, L))
-    # Prompts and prompt chunks: where their queries sit, and (after cached context) which
-    # blocks hold their keys.
-    prefills, start = [], 0
-    for i, (n, ctx) in enumerate(zip(meta.query_lens, meta.context_lens)):
-        if n > 1:
-            blocks = None
-            if ctx:
-                blocks = torch.tensor(meta.block_tables[i][:-(-(ctx + n) // block_size)], device=device)
-            prefills.append((start, start + n, ctx, blocks))
-        start += n
-    meta.plans[key] = groups, prefills
-    return groups, prefills
-
-
-def _read(pool: torch.Tensor, index: torch.Tensor, scale, dtype, shape=None) -> torch.Tensor:
-    """pool[index] along dim 0 (viewed as `shape`), in the model's dtype: as stored (a bfloat16
-    pool of a float32 model widened, exactly), or fp8 * scale.
-    A scale per KV head [Hkv, 1] (or per head and channel [Hkv, D]) broadcasts over [..., Hkv, D],
-    and over a decode group's [B, Hkv, L, D] as [Hkv, 1, 1 or D]."""
-    if pool.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
-        raw = pool.index_select(0, index).to(dtype)
-        return raw if shape is None else raw.view(shape)
-    # gather the bytes (every device gathers uint8; not every one gathers float8), then widen
-    raw = pool.view(torch.uint8).index_select(0, index).view(pool.dtype)
-    if shape is not None:
-        raw = raw.view(shape)
-        scale = scale[:, None] if isinstance(scale, torch.Tensor) else scale
-    return (raw.float() * scale).to(dtype)
 
 
 # -- the attention math, one sequence or one batch of decodes ----------------------------------------

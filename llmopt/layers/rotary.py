@@ -91,19 +91,11 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos() * factor, persistent=False)
         self.register_buffer("sin", emb.sin() * factor, persistent=False)
         # sin with rotate_half's minus sign folded into its first half: rotate_half(x) * sin
-        # = swap_halves(x) * signed_sin, one copy instead of chunk + neg + cat
+        # = [x2, x1] * signed_sin, one copy instead of chunk + neg + cat
         half = head_dim // 2
         self.register_buffer("signed_sin", torch.cat([-emb.sin()[:, :half], emb.sin()[:, half:]], -1) * factor,
                              persistent=False)
         self._step: tuple | None = None
-
-    def step_tables(self, positions: torch.Tensor, dtype: torch.dtype):
-        """cos and signed sin rows [tokens, 1, head_dim] for a step's positions. Every layer of
-        a step passes the same positions tensor, so the lookup is done once per step."""
-        if self._step is None or self._step[0] is not positions or self._step[1] != dtype:
-            self._step = (positions, dtype, self.cos[positions].unsqueeze(1).to(dtype),
-                          self.signed_sin[positions].unsqueeze(1).to(dtype))
-        return self._step[2], self._step[3]
 
     def new_step(self) -> None:
         """Forget the last lookup. A replayed step (CUDA graphs, llmopt/worker/cuda_graphs.py) passes the
@@ -111,16 +103,14 @@ class RotaryEmbedding(nn.Module):
         self._step = None
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim]."""
-        cos, sin = self.step_tables(positions, q.dtype)
-        return q * cos + swap_halves(q) * sin, k * cos + swap_halves(k) * sin
-
-
-def swap_halves(x: torch.Tensor) -> torch.Tensor:
-    """[x1, x2] -> [x2, x1] along the last dimension."""
-    return x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([-x2, x1], dim=-1)
+        """q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim] turned by their positions'
+        angles: x * cos + rotate_half(x) * sin, rotate_half([x1, x2]) = [-x2, x1]."""
+        # the cos and signed sin rows [tokens, 1, head_dim] of the step's positions: every layer of
+        # a step passes the same positions tensor, so the lookup is done once per step
+        if self._step is None or self._step[0] is not positions or self._step[1] != q.dtype:
+            self._step = (positions, q.dtype, self.cos[positions].unsqueeze(1).to(q.dtype),
+                          self.signed_sin[positions].unsqueeze(1).to(q.dtype))
+        cos, sin = self._step[2], self._step[3]
+        # rotate_half(x) * sin = [x2, x1] * signed_sin: the halves swapped by one view and flip
+        return (q * cos + q.unflatten(-1, (2, -1)).flip(-2).flatten(-2) * sin,
+                k * cos + k.unflatten(-1, (2, -1)).flip(-2).flatten(-2) * sin)

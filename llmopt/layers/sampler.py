@@ -25,7 +25,7 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     Why not torch.argmax: on the CPU it is a scalar loop, 85-120 us for one row of SmolLM2's
     49,152 logits against numpy's vectorized 4 us; 64 rows took 3.5 ms, 5% of a 64-sequence
     Q8_0 decode step, and a speculative step's verification asks for it once per position."""
-    if logits.device.type != "cpu" or logits.requires_grad or not logits.is_floating_point():
+    if logits.device.type != "cpu" or logits.requires_grad or not logits.is_floating_point():  # step choice: argmax
         return logits.argmax(-1)
     rows = logits.detach()
     if rows.dtype not in (torch.float32, torch.float64):
@@ -242,7 +242,7 @@ def sample(logits: torch.Tensor, params: list, generators: list[torch.Generator 
     """One token per row. `params` are SamplingParams; greedy rows take the argmax."""
     out = greedy_tokens(logits)
     rows = [i for i, p in enumerate(params) if not p.greedy]
-    if not rows:
+    if not rows:  # step choice: sampler tier (greedy only, or draws)
         return out
     sampled = logits if len(rows) == len(params) else logits[rows]
     values, order = filtered_candidates(sampled, *_knobs([params[i] for i in rows], logits))

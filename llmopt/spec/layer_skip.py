@@ -41,7 +41,7 @@ class LayerSkipProposer:
     def bytes_per_block(self, block_size: int) -> int:
         return 0  # no pool of its own
 
-    def bind(self, block_manager, num_blocks: int, compiled: bool = False) -> None:
+    def bind(self, block_manager, num_blocks: int, compiled: bool = False, kernels: bool = True) -> None:
         self.bm = block_manager
 
     def observe(self, runner) -> None:

@@ -42,7 +42,7 @@ class NgramProposer:
     def bytes_per_block(self, block_size: int) -> int:
         return 0
 
-    def bind(self, block_manager, num_blocks: int, compiled: bool = False) -> None:
+    def bind(self, block_manager, num_blocks: int, compiled: bool = False, kernels: bool = True) -> None:
         pass
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
@@ -76,13 +76,14 @@ class _ModelProposer:
         return PagedKVCache.bytes_per_block(self.num_layers, block_size, c.num_key_value_heads,
                                             c.head_dim, self.dtype)
 
-    def bind(self, block_manager, num_blocks: int, compiled: bool = False) -> None:
+    def bind(self, block_manager, num_blocks: int, compiled: bool = False, kernels: bool = True) -> None:
         """Take the target's block tables and a pool of as many blocks; `compiled`: the engine
-        runs its steps compiled, and so may this proposer's layers (enable_compiled)."""
+        runs its steps compiled, and so may this proposer's layers (enable_compiled); `kernels`:
+        as the target's pool, attention through the kernels (False: enforce_eager, plain torch)."""
         c = self.cfg
         self.bm = block_manager
         self.kv_cache = PagedKVCache(self.num_layers, num_blocks, block_manager.block_size,
-                                     c.num_key_value_heads, c.head_dim, self.dtype, self.device)
+                                     c.num_key_value_heads, c.head_dim, self.dtype, self.device, kernels=kernels)
         if compiled:
             self.enable_compiled()
 
@@ -227,8 +228,8 @@ class EagleProposer(_ModelProposer):
         feature = block_size * self.cfg.hidden_size * torch.empty((), dtype=self.dtype).element_size()
         return super().bytes_per_block(block_size) + feature
 
-    def bind(self, block_manager, num_blocks: int, compiled: bool = False) -> None:
-        super().bind(block_manager, num_blocks, compiled)
+    def bind(self, block_manager, num_blocks: int, compiled: bool = False, kernels: bool = True) -> None:
+        super().bind(block_manager, num_blocks, compiled, kernels)
         self.features = torch.zeros(num_blocks * block_manager.block_size, self.cfg.hidden_size,
                                     dtype=self.dtype, device=self.device)
 

@@ -34,6 +34,7 @@ from llmopt.kernels import cpu
 from llmopt.layers.attention import AttentionMetadata
 from llmopt.layers.gguf_linear import KERNEL_MAX_ROWS, UNLIMITED, GGUFLinear
 from llmopt.worker import huge_pages
+from llmopt.worker.model_runner import StepBackend
 
 LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
@@ -141,8 +142,11 @@ class CompiledLayers:
             self.num_heads, self.num_kv_heads, self.head_dim, self.eps)
 
 
-class CompiledDecode:
-    """`forward(input_ids, meta)` = the model's hidden states for a decode step, in one C++ call."""
+class CompiledDecode(StepBackend):
+    """The CPU's step backend (llmopt/worker/model_runner.py): `forward(input_ids, meta)` = the
+    model's hidden states for a step, every decoder layer in one C++ call."""
+
+    path = "compiled"
 
     def __init__(self, model, kv_cache):
         self.model, self.kv_cache = model, kv_cache
@@ -157,6 +161,9 @@ class CompiledDecode:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        # step choice: backend (a draft tree too large for the kernels' masks runs eagerly)
+        if meta.tree_masks is not None and meta.tree_bits is None:
+            return super().forward(input_ids, meta)
         stack = self.model.model
         h = stack.embed_tokens(input_ids).contiguous()  # a fresh tensor: the C++ step updates it in place
         self.layers.run(h, meta)
@@ -168,4 +175,4 @@ class CompiledDecode:
         SmolLM2's tied head is 49,152 x 576, the largest single weight a step reads."""
         if self.head is not None and (self.head.dim() == 5 or hidden.shape[0] <= self.dense_rows):
             return cpu.load().dense_matmul(hidden.contiguous(), self.head).float()
-        return self.model.compute_logits(hidden)
+        return super().compute_logits(hidden)

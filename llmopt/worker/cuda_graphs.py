@@ -33,6 +33,7 @@ import torch
 
 from llmopt.layers.attention import AttentionMetadata
 from llmopt.model.forward import run_model
+from llmopt.worker.model_runner import StepBackend
 
 BUCKETS = (1, 2, 4, 8, *range(16, 1025, 16))
 
@@ -41,7 +42,7 @@ def why_not_graphs(model, kv_cache, device) -> str | None:
     """Why decode steps cannot be replayed as CUDA graphs here (None when they can)."""
     if torch.device(device).type != "cuda":
         return "CUDA graphs need a CUDA device"
-    if getattr(kv_cache, "layout", None) != "paged" or not getattr(kv_cache, "use_triton", False):
+    if getattr(kv_cache, "layout", None) != "paged" or kv_cache.attention != "triton":
         # the torch path plans its gathers from Python lists: a graph would replay the first step's
         return "the KV pool is not read by the Triton kernels (their lengths come from tensors)"
     return None
@@ -70,9 +71,12 @@ def cuda_capture(fn, pool=None):
     return replay
 
 
-class GraphedDecode:
-    """`forward(input_ids, meta)` = the model's hidden states for a decode step, by replaying the
-    graph of the step's batch-size bucket (`runs(meta)` says whether this step can)."""
+class GraphedDecode(StepBackend):
+    """CUDA's step backend (llmopt/worker/model_runner.py): `forward(input_ids, meta)` = the model's
+    hidden states for a step, a decode step by replaying the graph of its batch-size bucket, any
+    other step (`runs(meta)` is False) eagerly over the same Triton kernels."""
+
+    path = "cuda graphs"
 
     def __init__(self, model, kv_cache, max_num_seqs: int, max_blocks_per_seq: int, capture=None):
         self.model, self.kv_cache = model, kv_cache
@@ -105,6 +109,8 @@ class GraphedDecode:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        if not self.runs(meta):  # step choice: backend (a step that is not a pure decode runs eagerly)
+            return super().forward(input_ids, meta)
         B = len(meta.query_lens)
         b = self.bucket(B)
         self._fill(input_ids, meta, B, b)
@@ -115,7 +121,7 @@ class GraphedDecode:
                 self.replays[b] = self.capture(lambda: run_model(self.model, self.kv_cache, self.ids[:b], static))
             except Exception as e:  # noqa: BLE001 - an op that cannot be recorded: serve on, eagerly, and say why
                 self.failed = f"capturing bucket {b}: {type(e).__name__}: {e}"
-                return run_model(self.model, self.kv_cache, input_ids, meta)
+                return super().forward(input_ids, meta)
         else:
             self._refresh_lists(self.metas[b], meta, B, b)
         hidden = self.replays[b]()

@@ -27,15 +27,15 @@ over all of them before FP8 rounds them.
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import torch
 
-from llmopt.fp8 import KV_CACHE_FP8_DTYPES, is_fp8, scale_from_amax
-from llmopt.kernels.paged_attention import write_kv
-from llmopt.layers.attention import AttentionMetadata
+from llmopt.fp8 import FP8_DTYPES, KV_CACHE_FP8_DTYPES, is_fp8, quantize_fp8, scale_from_amax
+from llmopt.layers.attention import AttentionMetadata, contiguous_attention, whole_sequence_attention
+from llmopt.layers.paged_attention import PAGED_ATTENTION, pick_paged_attention
 from llmopt.model.forward import run_model
+from llmopt.worker.kv_scales import read_kv_scales
 
 
 class KVCache:
@@ -44,6 +44,9 @@ class KVCache:
     layout = "none"   # how keys are kept: "none", "contiguous", "paged" (or "latent": MLA)
     metadata: AttentionMetadata
     rotation: torch.Tensor | None = None   # [D, D] orthogonal: attention hands over k R, v R (PagedKVCache.rotate)
+    # how attention reads what this cache keeps (llmopt.layers.attention): a cache that keeps
+    # nothing holds whole sequences, whose keys are the step's own
+    attend = staticmethod(whole_sequence_attention)
 
     def begin_step(self, meta: AttentionMetadata) -> None:
         self.metadata = meta
@@ -75,6 +78,7 @@ class ContiguousKVCache(KVCache):
     """
 
     layout = "contiguous"
+    attend = staticmethod(contiguous_attention)
 
     def __init__(self, num_layers: int, max_seqs: int, max_len: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype = torch.float32, device="cpu"):
@@ -150,6 +154,21 @@ def kv_cache_torch_dtype(kv_cache_dtype: str | torch.dtype, model_dtype: torch.d
                      f"got {kv_cache_dtype!r}")
 
 
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor, k_scale=1.0, v_scale=1.0) -> None:
+    """Store new tokens' keys and values in a paged pool, before attention reads them.
+
+    k, v: [num_tokens, num_kv_heads, head_dim]; slot_mapping[t] = block * block_size + offset.
+    Viewing the pool as one long row of slots turns the write into a plain index_copy_.
+    An fp8 pool stores fp8(clamp(k / k_scale)) and fp8(clamp(v / v_scale)) (the clamp: past the
+    largest finite value a cast gives inf (e5m2) or NaN (e4m3, where it does not saturate))."""
+    slots = slot_mapping.long()
+    for x, cache, scale in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
+        if cache.dtype in FP8_DTYPES:  # copy bytes: index_copy_ has no float8 version on every device
+            x, cache = quantize_fp8(x, scale, cache.dtype).view(torch.uint8), cache.view(torch.uint8)
+        cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, x.to(cache.dtype))
+
+
 class PagedKVCache(KVCache):
     """Per layer, a pool of blocks `[num_blocks, block_size, num_kv_heads, head_dim]` for K and V.
 
@@ -162,7 +181,7 @@ class PagedKVCache(KVCache):
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype = torch.float32, device="cpu",
-                 kv_cache_dtype: str | torch.dtype = "auto"):
+                 kv_cache_dtype: str | torch.dtype = "auto", kernels: bool = True):
         self.dtype = dtype                                              # attention's dtype
         self.cache_dtype = kv_cache_torch_dtype(kv_cache_dtype, dtype)  # the pool's dtype
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
@@ -182,15 +201,19 @@ class PagedKVCache(KVCache):
         # same amount, which softmax ignores, so attention is unchanged while a channel's constant
         # offset no longer eats FP8's relative precision.
         self.k_shift: list[torch.Tensor] | None = None
-        # the Triton kernels cover the head sizes real models use; anything else stays on torch
-        # (and pools in the model's dtype or FP8: a float32 model's bfloat16 pool takes torch there)
-        self.use_triton = (torch.device(device).type == "cuda" and head_dim in (16, 32, 64, 128)
-                           and (self.cache_dtype == dtype or self.is_fp8))
-        self.use_cpu_kernel = True  # on the CPU, the C++ kernel where it builds (False: the torch path)
+        # how attention reads the pool, fixed here: the C++ kernel (CPU) or Triton (CUDA) where they
+        # run these dtypes and head sizes, else the torch path; kernels=False (enforce_eager): torch
+        self.use_attention(pick_paged_attention(device, dtype, self.cache_dtype, head_dim, kernels))
 
     @property
     def is_fp8(self) -> bool:
         return is_fp8(self.cache_dtype)
+
+    def use_attention(self, name: str) -> None:
+        """Read the pool with paged attention `name`: "torch", "cpu" (the C++ kernel) or "triton"."""
+        if name not in PAGED_ATTENTION:
+            raise ValueError(f"paged attention {name!r}: allowed {', '.join(map(repr, PAGED_ATTENTION))}")
+        self.attention, self.attend = name, PAGED_ATTENTION[name]
 
     def store(self, layer, k, v):
         if self.k_shift is not None:  # smoothed keys: what the pool holds is k - shift
@@ -220,7 +243,7 @@ class PagedKVCache(KVCache):
         self.k_scale, self.v_scale = [_kv_scale(s, heads, self.k[0].device) for s in k_scale], \
             [_kv_scale(s, heads, self.k[0].device) for s in v_scale]
         if any(isinstance(s, torch.Tensor) for s in self.k_scale + self.v_scale):
-            self.use_triton = False   # the Triton kernels take one scale per layer; the torch path broadcasts
+            self.use_attention("torch")   # the kernels take one scale per layer; the torch path broadcasts
         self.scale_source = source
 
     def rotate(self, seed: int = 0) -> None:
@@ -338,59 +361,3 @@ def observe_kv(model, token_ids: list[list[int]], num_layers: int, per_head: boo
     for seq in token_ids:
         run_model(model, observer, torch.tensor(seq, device=device), AttentionMetadata.uncached([len(seq)], device))
     return observer
-
-
-def calibration_token_ids(tokenizer, num_tokens: int = 4096, seq_len: int = 512) -> list[list[int]]:
-    """`num_tokens` tokens of the bundled held-out text's calibration part (never the part
-    that evaluation scores), cut into sequences of `seq_len`."""
-    from llmopt.model.registry import heldout_text
-
-    ids = tokenizer(heldout_text("calibration"), add_special_tokens=False,
-                    verbose=False)["input_ids"][:num_tokens]
-    return [ids[i:i + seq_len] for i in range(0, len(ids), seq_len)]
-
-
-# Checkpoint names for per-layer KV scales, as vLLM reads them: llm-compressor's
-# `self_attn.k_scale` (older: `k_proj.output_scale`), ModelOpt's `k_proj.k_scale`, and the
-# deprecated single `kv_scale` (used for both).
-_KV_SCALE_NAME = re.compile(
-    r"layers\.(\d+)\.self_attn\.(?:attn\.)?(?:(k|v)_scale|(k|v)_proj\.(?:output_scale|(?:k|v)_scale)|(kv)_scale)$")
-
-
-def read_kv_scales(folder: str | Path, num_layers: int) -> tuple[list[float], list[float]] | None:
-    """Per-layer (k_scales, v_scales) from a checkpoint's safetensors, or None if it has none.
-
-    ValueError if only some layers have them, or a scale is not a positive finite number.
-    """
-    from safetensors import safe_open
-
-    from llmopt.model.gguf import is_gguf
-    from llmopt.model.loader import safetensors_files
-
-    if is_gguf(folder):
-        return None  # llama.cpp's format stores no KV-cache scales
-    found: dict[str, dict[int, float]] = {"k": {}, "v": {}}
-    for f in safetensors_files(Path(folder)):
-        with safe_open(str(f), framework="pt") as handle:
-            for name in handle.keys():
-                m = _KV_SCALE_NAME.search(name)
-                if m is None:
-                    continue
-                layer, which = int(m.group(1)), m.group(2) or m.group(3) or m.group(4)
-                t = handle.get_tensor(name).float()
-                if t.numel() != 1:
-                    raise ValueError(f"{f}: {name} has shape {tuple(t.shape)}; a per-tensor KV scale "
-                                     "has one element")
-                value = t.item()
-                if not (0 < value < float("inf")):
-                    raise ValueError(f"{f}: {name} = {value}; a KV scale must be a positive finite number")
-                for kv in ("k", "v") if which == "kv" else (which,):
-                    found[kv].setdefault(layer, value)
-    if not found["k"] and not found["v"]:
-        return None
-    for kv in ("k", "v"):
-        missing = sorted(set(range(num_layers)) - set(found[kv]))
-        if missing:
-            raise ValueError(f"{folder}: the checkpoint has KV scales, but no {kv}_scale for layers "
-                             f"{missing[:5]}{' ...' if len(missing) > 5 else ''}")
-    return [found["k"][i] for i in range(num_layers)], [found["v"][i] for i in range(num_layers)]

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from llmopt.worker.kv_cache import PagedKVCache, calibration_token_ids
+from llmopt.worker.kv_cache import PagedKVCache
+from llmopt.worker.kv_scales import calibration_token_ids
 from llmopt.worker.mla_cache import MLAPagedKVCache
 
 
@@ -35,11 +36,12 @@ def build_kv_pool(engine):
         pool = engine.executor.init_kv_cache(engine.num_blocks)
     elif cfg.mla is not None:
         pool = MLAPagedKVCache(cfg.num_hidden_layers, engine.num_blocks, engine.block_size,
-                               cfg.mla, engine.dtype, engine.device, config.kv_cache_dtype)
-    else:
+                               cfg.mla, engine.dtype, engine.device, config.kv_cache_dtype,
+                               kernels=not config.enforce_eager)
+    else:  # enforce_eager=True: attention in plain torch too, no kernel
         pool = PagedKVCache(cfg.num_hidden_layers, engine.num_blocks, engine.block_size,
                             cfg.num_key_value_heads, cfg.head_dim, engine.dtype, engine.device,
-                            engine.kv_cache_dtype)
+                            engine.kv_cache_dtype, kernels=not config.enforce_eager)
     if pool.is_fp8:  # per-layer K/V scales: calibrated, else the checkpoint's, else 1.0
         if config.calculate_kv_scales:
             pool.calibrate(engine.model, calibration_token_ids(

@@ -23,7 +23,7 @@ class MLAPagedKVCache(KVCache):
     layout = "latent"
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, mla: MLAConfig,
-                 dtype: torch.dtype = torch.float32, device="cpu", kv_cache_dtype="auto"):
+                 dtype: torch.dtype = torch.float32, device="cpu", kv_cache_dtype="auto", kernels: bool = True):
         if kv_cache_dtype not in ("auto", dtype) and not (kv_cache_dtype == "bfloat16" and dtype == torch.bfloat16):
             raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r}: the latent cache of an MLA model is kept in "
                              "the model's dtype (no FP8 or narrower latent cache here); allowed: 'auto'")
@@ -33,7 +33,7 @@ class MLAPagedKVCache(KVCache):
         self.kv = [torch.empty(num_blocks, block_size, self.width, dtype=dtype, device=device)
                    for _ in range(num_layers)]
         self.num_blocks, self.block_size = num_blocks, block_size
-        self.use_triton = torch.device(device).type == "cuda" and triton_usable(device)
+        self.use_triton = kernels and torch.device(device).type == "cuda" and triton_usable(device)
 
     is_fp8 = False
 

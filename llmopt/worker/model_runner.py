@@ -5,6 +5,10 @@ tokens) go through the model together as one flat batch. Only sequences whose st
 reaches their last known token produce logits and a new token; a prompt chunk that
 stops short of its end just fills the cache.
 
+How the forward runs is the step backend's business (`StepBackend` below), chosen once by
+`choose_step_backend` (llmopt/worker/backends.py) when the engine is built: eager torch, the
+compiled CPU step, or CUDA graphs.
+
 This is the one-process executor the engine calls (`execute`); with tensor or pipeline
 parallelism, llmopt.distributed's `ParallelModelRunner` is the same runner with the forward
 done by the ranks, and may keep several micro-batches in flight (`submit`, then `collect`).
@@ -18,10 +22,29 @@ from llmopt.layers.attention import AttentionMetadata, slots_of
 from llmopt.layers.rejection_sampler import rejection_sample
 from llmopt.layers.sampler import apply_token_bitmask, hold_back_stop_tokens, sample, sampling_probs, top_logprobs
 from llmopt.layers.tree_sampler import tree_rejection_sample
-from llmopt.model.forward import run_model
 from llmopt.sequence import Sequence
 from llmopt.worker.draft_tree import accepted_slot_moves, add_tree_layout, move_slots
 from llmopt.worker.kv_cache import PagedKVCache
+
+
+class StepBackend:
+    """How the engine's steps run, chosen once when it is built (llmopt/worker/backends.py).
+    `forward(input_ids, meta)`: hidden states [num_tokens, hidden] of the step `meta`;
+    `compute_logits(hidden)`: the model's head over them; `path`: what `LLMEngine.decode_path`
+    reports. This base runs the model eagerly, op by op: the reference the others are tested
+    against (CompiledDecode, GraphedDecode), and the forward they fall back to for a step they
+    cannot take. With enforce_eager=True the pool's attention is plain torch too."""
+
+    def __init__(self, model, kv_cache, reason: str = "chosen by the caller"):
+        self.model, self.kv_cache = model, kv_cache
+        self.path = f"eager ({reason})"
+
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        self.kv_cache.begin_step(meta)  # (llmopt.model.forward.run_model, inlined: the step's one walk)
+        return self.model(input_ids, meta.positions, self.kv_cache)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.compute_logits(hidden)
 
 
 class ModelRunner:
@@ -37,25 +60,7 @@ class ModelRunner:
         """block_manager: whatever keeps the block tables (`block_tables`, `block_size`)."""
         self.model, self.kv_cache, self.bm, self.device = model, kv_cache, block_manager, device
         self.eos_token_ids = eos_token_ids  # held back until min_tokens, with stop_token_ids
-        self.compiled = None  # the decode step in one call (compiled_decode.py), when enabled
-        self.graphs = None    # on CUDA: decode steps replayed as CUDA graphs (cuda_graphs.py)
-
-    def enable_compiled_decode(self, max_num_seqs: int = 256, max_blocks_per_seq: int = 0) -> str | None:
-        """Run steps (prompts, decodes, verification) through the compiled step where it can run
-        this model and pool, on CUDA decode steps as CUDA graphs (buffers for max_num_seqs
-        sequences of max_blocks_per_seq blocks); returns why not (None when enabled)."""
-        from llmopt.worker.compiled_decode import CompiledDecode, why_not
-        from llmopt.worker.cuda_graphs import GraphedDecode, why_not_graphs
-
-        if torch.device(self.device).type == "cuda":
-            reason = why_not_graphs(self.model, self.kv_cache, self.device)
-            if reason is None:
-                self.graphs = GraphedDecode(self.model, self.kv_cache, max_num_seqs, max_blocks_per_seq)
-            return reason
-        reason = why_not(self.model, self.kv_cache, self.device)
-        if reason is None:
-            self.compiled = CompiledDecode(self.model, self.kv_cache)
-        return reason
+        self.backend = StepBackend(model, kv_cache)  # the engine sets the one it chose (choose_step_backend)
 
     def step_inputs(self, scheduled: list[tuple[Sequence, int]]):
         """The step as plain lists: new token ids (flat), each sequence's start position,
@@ -73,7 +78,9 @@ class ModelRunner:
         """The step's flat token ids and its attention metadata, built once."""
         ids, starts, lens, tables = self.step_inputs(scheduled)
         meta = AttentionMetadata.paged(tables, starts, lens, self.bm.block_size, self.device, self.slots_of)
-        add_tree_layout(meta, [seq.spec_tree for seq, _ in scheduled])  # draft trees: positions, masks
+        trees = [seq.spec_tree for seq, _ in scheduled]
+        if any(tree is not None for tree in trees):  # draft trees: their positions and masks
+            add_tree_layout(meta, trees)
         return torch.tensor(ids, device=self.device), meta
 
     @torch.inference_mode()
@@ -83,30 +90,16 @@ class ModelRunner:
         plus one more."""
         input_ids, meta = self.prepare(scheduled)
         self.last_meta = meta
-        compute_logits = self.model.compute_logits
-        if self.compiled_runs(meta):
-            hidden = self.compiled.forward(input_ids, meta)  # (a capture of this very model, not a swapped-in one)
-            compute_logits = self.compiled.compute_logits
-        elif self.graphs is not None and self.graphs.model is self.model and self.graphs.runs(meta):
-            hidden = self.graphs.forward(input_ids, meta)
-        else:
-            hidden = run_model(self.model, self.kv_cache, input_ids, meta)
+        hidden = self.backend.forward(input_ids, meta)
         self.last_hidden = hidden  # an EAGLE head drafts from the target's features
         rows, index = self.sampling_rows(scheduled)
         self.last_slot_moves = ([], [])  # draft trees: where the accepted paths' KV moved
         if not rows:
             return {}
-        out = self.sample(rows, compute_logits(hidden[torch.tensor(index, device=hidden.device)]))
-        move_slots(self.kv_cache, *self.last_slot_moves)
+        out = self.sample(rows, self.backend.compute_logits(hidden[torch.tensor(index, device=hidden.device)]))
+        if self.last_slot_moves[0]:
+            move_slots(self.kv_cache, *self.last_slot_moves)
         return out
-
-    def compiled_runs(self, meta: AttentionMetadata) -> bool:
-        """Whether this step goes through the compiled step: any step (decode, verification,
-        prompts and their chunks, mixed) whose draft trees, if any, fit the kernels' masks, when
-        the compiled capture is of this very model (not a swapped-in one)."""
-        if self.compiled is None or self.compiled.model is not self.model:
-            return False
-        return meta.tree_masks is None or meta.tree_bits is not None
 
     @staticmethod
     def sampling_rows(scheduled) -> tuple[list[Sequence], list[int]]:
@@ -131,11 +124,14 @@ class ModelRunner:
             firsts.append(at)
             at += 1 + len(seq.spec_token_ids)
         # draws come from `allowed` (stop tokens held back below min_tokens); logprobs from `logits`
-        allowed = hold_back_stop_tokens(logits, [(f, 1 + len(s.spec_token_ids), s.params, len(s.output_token_ids))
-                                                 for f, s in zip(firsts, rows)], self.eos_token_ids)
-        masks = self.structured.bitmask(rows, firsts, at) if self.structured is not None else None
-        if masks is not None:  # structured outputs: only what each grammar allows next
-            allowed = apply_token_bitmask(allowed, *masks)
+        allowed = logits
+        if any(s.params.min_tokens > len(s.output_token_ids) for s in rows):
+            allowed = hold_back_stop_tokens(logits, [(f, 1 + len(s.spec_token_ids), s.params, len(s.output_token_ids))
+                                                     for f, s in zip(firsts, rows)], self.eos_token_ids)
+        if self.structured is not None and any(s.grammar is not None for s in rows):
+            masks = self.structured.bitmask(rows, firsts, at)
+            if masks is not None:  # structured outputs: only what each grammar allows next
+                allowed = apply_token_bitmask(allowed, *masks)
         tokens = {}
         if plain:
             picked = sample(allowed[[firsts[i] for i in plain]], [rows[i].params for i in plain],

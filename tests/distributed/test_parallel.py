@@ -21,6 +21,10 @@ from llmopt import LLM, SamplingParams
 
 # a rank that waits longer than this for a peer raises instead of hanging the test run
 os.environ.setdefault("LLMOPT_DIST_TIMEOUT", "90")
+# Every process this test process starts inherits this mark, orphans too; `worker_pids` counts only
+# marked workers, so those of tests running beside this one (the other xdist worker, a lesson) do not.
+MARK = f"LLMOPT_TEST_PROCESS={os.getpid()}"
+os.environ["LLMOPT_TEST_PROCESS"] = str(os.getpid())
 
 ENGINE = dict(model="tiny", num_kv_blocks=20, block_size=16, max_num_batched_tokens=48, max_num_seqs=8)
 SYSTEM = "You are a helpful assistant. Answer in one short sentence, and be precise. "
@@ -35,8 +39,8 @@ def workload():
 
 
 def worker_pids() -> list[int]:
-    """Every live llmopt worker process on this machine (other sessions' too: callers compare
-    with what was there before)."""
+    """Every live llmopt worker process started from this test process, directly or not, its
+    driver killed or not (callers compare with what was there before)."""
     found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -46,9 +50,12 @@ def worker_pids() -> list[int]:
                 cmd = f.read().split(b"\0")
             with open(f"/proc/{entry}/stat") as f:
                 stat = f.read()
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                env = f.read().split(b"\0")
         except OSError:
             continue
-        if b"llmopt.distributed.worker" in cmd and stat.rsplit(")", 1)[1].split()[0] != "Z":
+        if (b"llmopt.distributed.worker" in cmd and stat.rsplit(")", 1)[1].split()[0] != "Z"
+                and MARK.encode() in env):
             found.append(int(entry))
     return found
 

@@ -17,13 +17,8 @@ from llmopt.config import EngineConfig
 from llmopt.fp8 import quantize_fp8
 from llmopt.kernels.paged_attention_ref import paged_attention_ref
 from llmopt.layers.attention import AttentionMetadata, attention
-from llmopt.worker.kv_cache import (
-    PagedKVCache,
-    calibration_token_ids,
-    kv_cache_torch_dtype,
-    observe_kv_amax,
-    read_kv_scales,
-)
+from llmopt.worker.kv_cache import PagedKVCache, kv_cache_torch_dtype, observe_kv_amax
+from llmopt.worker.kv_scales import calibration_token_ids, read_kv_scales
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +71,7 @@ def test_torch_path_over_fp8_pool_equals_reference(fp8):
     step1 = step([13, 20, 4], [0, 0, 0], tables)
     attention(*step1[1:], cache, 0, scale=D ** -0.5)
     batch, q, k, v = step([11, 5, 1], [0, 13, 20], [perm[9:11], tables[0], tables[1]])
-    cache.use_cpu_kernel = False  # the torch path first; the C++ kernel after the Triton one
+    cache.use_attention("torch")  # the torch path first; the C++ kernel after the Triton one
     for window in (None, 5):
         cache.begin_step(batch)
         got = attention(q, k, v, cache, 0, scale=D ** -0.5, window=window)
@@ -85,16 +80,15 @@ def test_torch_path_over_fp8_pool_equals_reference(fp8):
                                    k_scale=0.02, v_scale=0.005)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
         # the Triton kernels (as the cache calls them on CUDA; here under the interpreter), same answer
-        cache.use_triton = True
+        cache.use_attention("triton")
         cache.begin_step(batch)
         torch.testing.assert_close(attention(q, k, v, cache, 0, scale=D ** -0.5, window=window), want,
                                    atol=1e-4, rtol=1e-4)
-        cache.use_triton = False
-        cache.use_cpu_kernel = True  # the C++ kernel where it builds (else the torch path again)
+        cache.use_attention("cpu")  # the C++ kernel (where it cannot build, its wrapper runs the reference)
         cache.begin_step(batch)
         torch.testing.assert_close(attention(q, k, v, cache, 0, scale=D ** -0.5, window=window), want,
                                    atol=1e-4, rtol=1e-4)
-        cache.use_cpu_kernel = False
+        cache.use_attention("torch")
     # what the pool holds for this step's tokens is fp8(clamp(k / k_scale)), byte for byte
     stored = cache.k[0].view(-1, Hkv, D)[batch.slot_mapping]
     assert torch.equal(stored.view(torch.uint8), quantize_fp8(k, 0.02, cache.cache_dtype).view(torch.uint8))

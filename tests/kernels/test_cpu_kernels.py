@@ -25,7 +25,7 @@ from gguf.quants import dequantize, quantize
 from llmopt.kernels import cpu
 from llmopt.kernels.cpu.gguf_blocks import GGUFBlockWeight, quantize_activations
 from llmopt.kernels.cpu.paged_attention import paged_attention_cpu
-from llmopt.kernels.paged_attention import write_kv
+from llmopt.worker.kv_cache import write_kv
 from llmopt.kernels.paged_attention_ref import paged_attention_ref
 from llmopt.worker.draft_tree import tree_bits, tree_mask
 

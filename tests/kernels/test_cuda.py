@@ -38,7 +38,7 @@ def cpu_tokens():
 def test_engine_on_cuda_equals_the_cpu_engine(cpu_tokens):
     """float32 on both (the kernels use IEEE dot products for fp32, not TF32)."""
     llm = LLM(model="tiny", device="cuda", dtype="float32", gpu_memory_utilization=0.1)
-    assert llm.llm_engine.kv_cache.use_triton, "the paged-attention kernels run on CUDA"
+    assert llm.llm_engine.kv_cache.attention == "triton", "the paged-attention kernels run on CUDA"
     assert agree(tokens(llm), cpu_tokens)
 
 
@@ -67,8 +67,9 @@ def test_bf16_engine_triton_path_equals_its_torch_path():
     from llmopt import model_path
 
     llm = LLM(model="tiny", device="cuda", dtype="bfloat16", gpu_memory_utilization=0.1, enforce_eager=True)
+    llm.llm_engine.kv_cache.use_attention("triton")  # an eager engine's pool reads with torch unless told
     triton_outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-    llm.llm_engine.kv_cache.use_triton = False
+    llm.llm_engine.kv_cache.use_attention("torch")
     torch_outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     hf = AutoModelForCausalLM.from_pretrained(str(model_path("tiny")), dtype=torch.bfloat16).cuda().eval()
     assert largest_gap(hf, triton_outputs) <= 0.5
@@ -79,9 +80,10 @@ def test_fp8_kv_cache_triton_path_equals_its_torch_path():
     """float32 compute over one fp8 pool; eager, as above."""
     llm = LLM(model="tiny", device="cuda", dtype="float32", kv_cache_dtype="fp8", calculate_kv_scales=True,
               gpu_memory_utilization=0.1, enforce_eager=True)
-    assert llm.llm_engine.kv_cache.is_fp8 and llm.llm_engine.kv_cache.use_triton
+    assert llm.llm_engine.kv_cache.is_fp8 and llm.llm_engine.kv_cache.attention == "torch"  # eager: plain torch
+    llm.llm_engine.kv_cache.use_attention("triton")
     triton_tokens = tokens(llm)
-    llm.llm_engine.kv_cache.use_triton = False
+    llm.llm_engine.kv_cache.use_attention("torch")
     assert agree(triton_tokens, tokens(llm))
 
 

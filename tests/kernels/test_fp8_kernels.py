@@ -14,6 +14,7 @@ from test_paged_attention_kernels import (DECODE_SEQ_LENS, DEVICE, MIXED_QUERY_L
 
 from llmopt.fp8 import dequantize_fp8, per_tensor_scale, quantize_fp8
 from llmopt.kernels import paged_attention as pa
+from llmopt.worker.kv_cache import write_kv  # the pool's write, as the engine does it before attention
 
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
 QDTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if torch.cuda.is_available() else [])
@@ -61,7 +62,7 @@ def test_write_kv_stores_clamped_scaled_fp8_bytes(fp8):
     v = torch.randn(5, 2, 16, generator=g)
     k[0, 0, 0], v[1, 1, 1] = 1e9, -1e9  # far beyond any format's range: must clamp, not overflow
     slots = torch.tensor([3, 17, 40, 41, 8])
-    pa.write_kv(k, v, k_cache, v_cache, slots, k_scale=0.25, v_scale=2.0 ** -7)
+    write_kv(k, v, k_cache, v_cache, slots, k_scale=0.25, v_scale=2.0 ** -7)
     flat_k, flat_v = k_cache.view(-1, 2, 16), v_cache.view(-1, 2, 16)
     # byte for byte what llmopt.fp8 computes, and nothing written elsewhere
     assert torch.equal(flat_k[slots].view(torch.uint8), quantize_fp8(k, 0.25, fp8).view(torch.uint8))

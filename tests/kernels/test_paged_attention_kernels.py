@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from triton_checks import DEVICE, DTYPES, needs_triton
 
 from llmopt.kernels import paged_attention as pa
+from llmopt.worker.kv_cache import write_kv  # the pool's write, as the engine does it before attention
 
 TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 
@@ -44,7 +45,7 @@ def make_batch(seq_lens, query_lens, *, num_kv_heads=2, group=2, head_dim=16, bl
         slot_mapping = block_tables[i, pos // block_size].long() * block_size + pos % block_size
         k = torch.randn(n, num_kv_heads, head_dim, generator=g).to(DEVICE, dtype)
         v = torch.randn(n, num_kv_heads, head_dim, generator=g).to(DEVICE, dtype)
-        pa.write_kv(k, v, k_cache, v_cache, slot_mapping.to(DEVICE))
+        write_kv(k, v, k_cache, v_cache, slot_mapping.to(DEVICE))
         dense_k.append(k)
         dense_v.append(v)
 

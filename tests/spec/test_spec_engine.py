@@ -11,6 +11,7 @@ import torch
 from scipy.stats import chi2_contingency
 
 from llmopt import LLM, SamplingParams
+from llmopt.worker.model_runner import StepBackend
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
 DRAFT = {"method": "draft_model", "model": "tiny-draft", "num_speculative_tokens": 4}
@@ -131,7 +132,7 @@ class Scripted(torch.nn.Module):
 def scripted_engine(target: list[int], draft: list[int]):
     eng = LLM(model="tiny", speculative_config={"method": "draft_model", "model": "tiny-draft",
                                                 "num_speculative_tokens": 4}).llm_engine
-    eng.runner.model = Scripted(target)
+    eng.runner.backend = StepBackend(Scripted(target), eng.kv_cache)
     eng.proposer.model = Scripted(draft)
     return eng
 

@@ -177,8 +177,8 @@ def test_verification_takes_the_compiled_step_and_keeps_plain_greedy(plain, spec
     assert llm.llm_engine.decode_path == "compiled"
     assert llm.llm_engine.proposer.compiled is not None  # the head drafts through it too
     seen = []
-    real = runner.compiled.forward
-    monkeypatch.setattr(runner.compiled, "forward", lambda ids, meta: seen.append(meta) or real(ids, meta))
+    real = runner.backend.forward
+    monkeypatch.setattr(runner.backend, "forward", lambda ids, meta: seen.append(meta) or real(ids, meta))
     assert tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == plain
     verifying = [m for m in seen if not m.is_decode]
     assert verifying and all(max(m.query_lens) > 1 for m in verifying)

@@ -22,8 +22,8 @@ PARAMS = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n i
 def graphed(llm, max_num_seqs: int) -> GraphedDecode:
     engine = llm.llm_engine
     blocks = -(-engine.max_model_len // engine.block_size)
-    engine.runner.graphs = GraphedDecode(engine.model, engine.kv_cache, max_num_seqs, blocks, capture=call_again)
-    return engine.runner.graphs
+    engine.runner.backend = GraphedDecode(engine.model, engine.kv_cache, max_num_seqs, blocks, capture=call_again)
+    return engine.runner.backend
 
 
 def tokens(llm):
@@ -75,7 +75,7 @@ def test_cuda_graphs_equal_eager_on_the_gpu():
     llm = LLM("tiny", **kw)
     assert llm.llm_engine.decode_path == "cuda graphs"
     assert tokens(llm) == want and tokens(llm) == want
-    assert sum(llm.llm_engine.runner.graphs.replayed.values()) > 0
+    assert sum(llm.llm_engine.runner.backend.replayed.values()) > 0
 
 
 def test_a_step_that_cannot_be_recorded_runs_eagerly():
@@ -89,6 +89,6 @@ def test_a_step_that_cannot_be_recorded_runs_eagerly():
         raise RuntimeError("operation not permitted when stream is capturing")
 
     g = GraphedDecode(engine.model, engine.kv_cache, 8, -(-engine.max_model_len // engine.block_size), capture=refuse)
-    engine.runner.graphs = g
+    engine.runner.backend = g
     assert tokens(llm) == want
     assert g.failed.startswith("capturing bucket 8: RuntimeError") and sum(g.replayed.values()) == 0

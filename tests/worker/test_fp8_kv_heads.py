@@ -10,7 +10,8 @@ import torch
 from llmopt import LLM
 from llmopt.layers.attention import AttentionMetadata
 from llmopt.model.forward import run_model
-from llmopt.worker.kv_cache import NoKVCache, calibration_token_ids, observe_kv_amax
+from llmopt.worker.kv_cache import NoKVCache, observe_kv_amax
+from llmopt.worker.kv_scales import calibration_token_ids
 from llmopt.eval import window_nll
 from llmopt.fp8 import dequantize_fp8, quantize_fp8, scale_from_amax
 
