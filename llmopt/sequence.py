@@ -30,6 +30,7 @@ class Sequence:
         self.params = params
         self.generator = generator
         self.status = SequenceStatus.WAITING
+        self.is_finished = False  # status is FINISHED (set by `finish`, the one way there)
         self.finish_reason: str | None = None
         self.error: Exception | None = None  # what a step raised (finish_reason "error")
         self.stop_reason: int | str | None = None
@@ -56,13 +57,7 @@ class Sequence:
     def __len__(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
-    @property
-    def num_tokens(self) -> int:
-        return len(self)
-
-    @property
-    def is_finished(self) -> bool:
-        return self.status == SequenceStatus.FINISHED
+    num_tokens = property(__len__)
 
     def append_token(self, token_id: int, now: float) -> None:
         self.output_token_ids.append(token_id)
@@ -120,7 +115,7 @@ class Sequence:
                     lp.decoded_token = tokenizer.decode([tid])
 
     def finish(self, reason: str, stop_reason) -> None:
-        self.status = SequenceStatus.FINISHED
+        self.status, self.is_finished = SequenceStatus.FINISHED, True
         self.finish_reason, self.stop_reason = reason, stop_reason
         self.metrics.finished_time = time.perf_counter()
 

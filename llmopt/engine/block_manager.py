@@ -128,10 +128,14 @@ class BlockManager:
         """How many tokens of `token_ids` a lookup now would find (longest-prefix-match scheduling)."""
         return self.num_cached_tokens(self.find_cached_prefix("", token_ids))
 
+    # (src, dst) blocks to copy before the next forward: the hash cache shares whole blocks only
+    # and never copies (the radix cache copies partly matched ones)
+    pending_copies: list[tuple[int, int]] = []
+
     def take_block_copies(self) -> list[tuple[int, int]]:
-        """(src, dst) blocks to copy before the next forward: the hash cache shares whole blocks
-        only and never copies (the radix cache copies partly matched ones)."""
-        return []
+        """The copies pending (emptied): the engine makes them before the next forward."""
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
 
     @property
     def num_cached_blocks(self) -> int:
@@ -149,10 +153,10 @@ class BlockManager:
     # -- allocation ------------------------------------------------------------------------------
     def can_allocate(self, seq_id: str, num_tokens: int, cached_blocks: list[int] = ()) -> bool:
         have = len(self.block_tables.get(seq_id, ())) + len(cached_blocks)
-        new = max(0, self.blocks_needed(num_tokens) - have)
+        new = max(0, -(-num_tokens // self.block_size) - have)  # blocks_needed(num_tokens), inline: every step asks
         # a cache hit on a free block takes it off the free queue too
         reused_free = sum(1 for b in cached_blocks if self.ref_cnt[b] == 0)
-        return new + reused_free <= self.num_free_blocks
+        return new + reused_free <= self.free_queue.num_free
 
     def allocate(self, seq_id: str, num_tokens: int, cached_blocks: list[int] = ()) -> bool:
         """Make the sequence's block table cover `num_tokens` tokens. False if memory is short
@@ -167,7 +171,8 @@ class BlockManager:
             self.ref_cnt[b] += 1
             table.append(b)
             hashes.append(self.block_hash[b])
-        while len(table) < self.blocks_needed(num_tokens):
+        need = -(-num_tokens // self.block_size)  # blocks_needed(num_tokens)
+        while len(table) < need:
             table.append(self._pop_free())
         return True
 

@@ -261,7 +261,7 @@ class LLMEngine:
                     seq.clear_drafts()
         sched = self.scheduler.schedule()
         sched.prefix_hits_before = hits_before
-        copies = bm.take_block_copies()
+        copies = bm.take_block_copies() if bm.pending_copies else []
         if copies:  # radix cache: hits that end inside a block get their slots before the forward
             self.kv_cache.copy_blocks(copies)
             if self.proposer is not None:
@@ -274,13 +274,15 @@ class LLMEngine:
 
     def _process(self, sched: SchedulerOutput, sampled: dict, errors: dict) -> list[RequestOutput]:
         """Bookkeeping after a step's forward, request by request: a failure ends the request;
-        else the verified drafts are counted, the tokens appended (stops checked), and the
-        blocks freed (finished) or cached (newly full)."""
-        self.scheduler.finish_step(sched)
+        else the verified drafts are counted, the tokens appended one by one (so that EOS, stop
+        strings and max_tokens end it exactly where plain decoding would), and its blocks freed
+        (finished) or cached (newly full: their KV is written, so they become shareable)."""
+        if self.scheduler.in_flight:  # pipelined: this step's requests may be scheduled again
+            self.scheduler.finish_step(sched)
         before = {seq.request_id: (seq.num_computed_tokens, len(seq.spec_token_ids))
                   for seq, _ in sched.scheduled}
         outputs, finished, spec_results = [], [], {}
-        now = time.perf_counter()
+        now, bm = time.perf_counter(), self.block_manager
         for seq, n in sched.scheduled:
             if seq.request_id in errors:
                 outputs.append(self.fail_request(seq.request_id, errors[seq.request_id]))
@@ -291,12 +293,27 @@ class LLMEngine:
                 spec_results[seq.request_id] = self._count_verified(seq, n, emitted)
             else:
                 seq.num_computed_tokens += n
-            seq.clear_drafts()
-            self._append_tokens(seq, emitted or [], now)
+            if seq.spec_token_ids:
+                seq.clear_drafts()
+            for token, lp in emitted or []:
+                seq.append_token(token, now)
+                if lp is not None:
+                    seq.record_logprobs(token, *lp)
+                self.stats["generation_tokens"] += 1
+                if seq.grammar is not None and not self.structured.accept(seq, token):
+                    break  # the grammar refused it: this request fails alone
+                seq.check_stop(self.eos_token_ids, self.max_model_len, self.tokenizer)
+                if seq.is_finished:
+                    break
             if emitted and seq.grammar is not None:
                 self.structured.jump_forward(seq, self, now)  # forced text appended, no step
-            self._release_blocks(seq)
+            if self.proposer is not None and not seq.is_finished:
+                bm.trim(seq.request_id, len(seq))  # blocks that only held rejected drafts
+            bm.cache_full_blocks(seq.request_id, seq.token_ids, seq.num_computed_tokens)
             if seq.is_finished:
+                self.remove_request(seq)
+                seq.finalize_text(self.tokenizer)
+                self.stats["num_finished"] += 1
                 finished.append(seq.request_id)
             if emitted is not None:
                 outputs.append(seq.to_output())
@@ -315,31 +332,6 @@ class LLMEngine:
         st["num_accepted_tokens"] += accepted
         st["accepted_per_position"][:accepted] = [c + 1 for c in st["accepted_per_position"][:accepted]]
         return {"draft_token_ids": drafts, "emitted_token_ids": [t for t, _ in emitted]}
-
-    def _append_tokens(self, seq: Sequence, emitted: list[tuple], now: float) -> None:
-        """Tokens of an accepted run go in one by one, so that EOS, stop strings and max_tokens
-        end the request exactly where plain decoding would."""
-        for token, lp in emitted:
-            seq.append_token(token, now)
-            if lp is not None:
-                seq.record_logprobs(token, *lp)
-            self.stats["generation_tokens"] += 1
-            if seq.grammar is not None and not self.structured.accept(seq, token):
-                break  # the grammar refused it: this request fails alone
-            seq.check_stop(self.eos_token_ids, self.max_model_len, self.tokenizer)
-            if seq.is_finished:
-                break
-
-    def _release_blocks(self, seq: Sequence) -> None:
-        bm = self.block_manager
-        if self.proposer is not None and not seq.is_finished:
-            bm.trim(seq.request_id, len(seq))  # blocks that only held rejected drafts
-        # full blocks become shareable once their KV is written
-        bm.cache_full_blocks(seq.request_id, seq.token_ids, seq.num_computed_tokens)
-        if seq.is_finished:
-            self.remove_request(seq)
-            seq.finalize_text(self.tokenizer)
-            self.stats["num_finished"] += 1
 
     def _execute(self, scheduled) -> tuple[dict, dict[str, Exception]]:
         """The step's forward and sampling -> (request_id -> emitted tokens, request_id -> error).

@@ -105,10 +105,6 @@ class RadixCache(BlockManager):
     def num_cached_tokens(self, cached) -> int:
         return cached.num_tokens if cached else 0
 
-    def take_block_copies(self) -> list[tuple[int, int]]:
-        copies, self.pending_copies = self.pending_copies, []
-        return copies
-
     # -- lookup --------------------------------------------------------------------------------
     def find_cached_prefix(self, seq_id: str, token_ids: list[int]) -> RadixMatch:
         """The longest cached prefix of `token_ids`, to the token (but never the last token,

@@ -109,7 +109,7 @@ class Scheduler:
             self.running.sort(key=self._rank)
 
         # 1. running requests: decodes, and prompts still being prefilled in chunks
-        idle = self._idle()
+        idle = self._idle() if self.in_flight else list(self.running)  # pipelined: not those in flight
         i = 0
         while i < len(idle) and budget > 0:
             seq = idle[i]

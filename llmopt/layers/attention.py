@@ -82,13 +82,14 @@ class AttentionMetadata:
         the same block tables, with KV pools of their own). slot_fn: what maps positions to
         slots (`slots_of`; lesson 02's exercise passes the learner's)."""
         slot_fn = slot_fn or slots_of
-        slots = []
+        slots, positions = [], []
         for table, start, n in zip(tables, context_lens, query_lens):
             slots += slot_fn(table, range(start, start + n), block_size)
+            positions += range(start, start + n)
         width = max(len(t) for t in tables)
         qsl = [0, *accumulate(query_lens)]
         return cls(
-            list(query_lens), list(context_lens), _positions(context_lens, query_lens, device),
+            list(query_lens), list(context_lens), torch.tensor(positions, dtype=torch.long, device=device),
             block_tables=tables, slot_mapping=torch.tensor(slots, device=device),
             block_table_tensor=torch.tensor([t + [0] * (width - len(t)) for t in tables],
                                             dtype=torch.int32, device=device),

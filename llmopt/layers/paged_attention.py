@@ -150,14 +150,15 @@ def _torch_plan(meta: AttentionMetadata, block_size: int, num_kv_heads: int, dty
     key = (block_size, num_kv_heads, dtype, str(device))
     if key in meta.plans:
         return meta.plans[key]
-    decode = sorted((i for i, n in enumerate(meta.query_lens) if n == 1), key=lambda i: meta.seq_lens[i])
+    seq_lens = meta.seq_lens
+    decode = sorted((i for i, n in enumerate(meta.query_lens) if n == 1), key=seq_lens.__getitem__)
     starts = meta.query_start_loc[:-1].long()
     groups = []
     for g in range(0, len(decode), DECODE_GROUP):
         rows = decode[g:g + DECODE_GROUP]
         index = torch.tensor(rows, device=device)
         lens = meta.seq_lens_tensor.long()[index]
-        L = meta.seq_lens[rows[-1]]  # rows are sorted by length: the group's longest
+        L = seq_lens[rows[-1]]  # rows are sorted by length: the group's longest
         tables = meta.block_table_tensor[index, :-(-L // block_size)].long()
         # Each sequence's slots for positions 0..L-1; positions past its own length (the
         # group's padding) re-read its position 0, a written slot, and are masked out.

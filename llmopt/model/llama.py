@@ -72,7 +72,8 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class DecoderStack(nn.Module):
-    """embed -> N decoder layers -> norm, with the RoPE table the layers share.
+    """embed -> N decoder layers -> norm, with the RoPE table the layers share (CausalLM.forward
+    runs them).
 
     The layer class is what makes the architecture: Llama's (above) here, DeepSeek's (MLA
     attention, MoE MLP) in deepseek.py; `rotary_dim` is the width RoPE turns (the whole head
@@ -85,13 +86,6 @@ class DecoderStack(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(rotary_dim or cfg.head_dim, cfg.max_position_embeddings,
                                           cfg.rope_theta, cfg.rope_scaling)
-
-    def forward(self, input_ids, positions, kv_cache):
-        self.rotary_emb.new_step()
-        x = self.embed_tokens(input_ids)
-        for layer in self.layers:
-            x = layer(positions, x, self.rotary_emb, kv_cache)
-        return self.norm(x)
 
 
 class CausalLM(nn.Module):
@@ -107,7 +101,12 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache) -> torch.Tensor:
         """Hidden states [num_tokens, hidden] for a flat batch of new tokens."""
-        return self.model(input_ids, positions, kv_cache)
+        stack = self.model
+        stack.rotary_emb.new_step()
+        x = stack.embed_tokens(input_ids)
+        for layer in stack.layers:
+            x = layer(positions, x, stack.rotary_emb, kv_cache)
+        return stack.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
