@@ -130,11 +130,11 @@ class BlockManager:
 
     # (src, dst) blocks to copy before the next forward: the hash cache shares whole blocks only
     # and never copies (the radix cache copies partly matched ones)
-    pending_copies: list[tuple[int, int]] = []
+    pending_copies: tuple | list[tuple[int, int]] = ()  # (a tuple: a class attribute no instance can append to)
 
     def take_block_copies(self) -> list[tuple[int, int]]:
         """The copies pending (emptied): the engine makes them before the next forward."""
-        copies, self.pending_copies = self.pending_copies, []
+        copies, self.pending_copies = list(self.pending_copies), []
         return copies
 
     @property
