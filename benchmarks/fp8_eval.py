@@ -37,7 +37,7 @@ from llmopt.eval import heldout_text, perplexity
 
 def rotated_per_head_kv(llm) -> None:
     """Keys and values turned by a Hadamard matrix, one e4m3 scale per KV head from the calibration split."""
-    from llmopt.worker.kv_scales import calibration_token_ids
+    from llmopt.fp8.kv_scales import calibration_token_ids
 
     eng = llm.llm_engine
     eng.kv_cache.calibrate(eng.model, calibration_token_ids(eng.tokenizer), per_head=True, rotate=True)
@@ -45,7 +45,7 @@ def rotated_per_head_kv(llm) -> None:
 
 def fp8_activations(llm) -> None:
     """W8A8: every FP8 linear rounds its activations to e4m3 per token, as FP8 tensor cores need."""
-    from llmopt.layers.linear import round_fp8_activations
+    from llmopt.fp8.linear import round_fp8_activations
 
     round_fp8_activations(llm.llm_engine.model)
 

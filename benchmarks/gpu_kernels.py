@@ -31,7 +31,7 @@ def paged_batch(run, seq_lens, query_lens, *, num_kv_heads, group, head_dim, blo
                 cache_dtype=None, seed=0):
     """A pool with each sequence's blocks scattered over it (unowned slots hold NaN, so a read of
     a wrong slot shows), keys and values written through `write_kv`, and the flat queries."""
-    from llmopt.fp8 import per_tensor_scale
+    from llmopt.fp8.format import per_tensor_scale
     from llmopt.worker.kv_cache import write_kv
 
     dev = run.device
@@ -150,7 +150,7 @@ def check_write_kv(run) -> None:
 
 
 def random_int4(K, N, group, act_order, seed=0):
-    from llmopt.layers.quant_formats import QuantizedWeight
+    from llmopt.layers.quant.formats import QuantizedWeight
 
     g = torch.Generator().manual_seed(seed)
     g_idx = torch.arange(K) // group
@@ -164,7 +164,7 @@ def random_int4(K, N, group, act_order, seed=0):
 
 def check_w4a16(run) -> None:
     from llmopt.kernels.quant_matmul import w4a16_matmul, w4a16_matmul_ref
-    from llmopt.layers.quant_formats import to_awq, to_gptq
+    from llmopt.layers.quant.formats import to_awq, to_gptq
 
     rows, all_ok = [], True
     for name, (K, N) in (TINY_LINEARS if run.dry_run else SMOLLM2_LINEARS).items():
@@ -190,8 +190,8 @@ def check_w4a16(run) -> None:
 
 
 def check_fp8_linear(run) -> None:
-    from llmopt.fp8 import native_fp8_supported, per_token_scale, quantize_fp8
-    from llmopt.layers.linear import Fp8Linear
+    from llmopt.fp8.format import native_fp8_supported, per_token_scale, quantize_fp8
+    from llmopt.fp8.linear import Fp8Linear
 
     native = native_fp8_supported(run.device)
     for K, N in (TINY_LINEARS if run.dry_run else SMOLLM2_LINEARS).values():
@@ -219,7 +219,7 @@ def section_kernels(run) -> None:
 
 # -- timings --------------------------------------------------------------------------------------------------
 def section_kernel_timings(run) -> None:
-    from llmopt.fp8 import native_fp8_supported
+    from llmopt.fp8.format import native_fp8_supported
     from llmopt.kernels import paged_attention as pa
 
     bw = run.ceilings["bandwidth_GBps"]
@@ -272,9 +272,9 @@ def section_kernel_timings(run) -> None:
 
 
 def time_matmul(run, m, k, n, native, fmt) -> list:
-    from llmopt.fp8 import per_channel_scale, per_token_scale, quantize_fp8
+    from llmopt.fp8.format import per_channel_scale, per_token_scale, quantize_fp8
     from llmopt.kernels.quant_matmul import w4a16_matmul
-    from llmopt.layers.quant_formats import to_gptq
+    from llmopt.layers.quant.formats import to_gptq
 
     bw, peak = run.ceilings["bandwidth_GBps"], run.ceilings["bf16_TFLOPs"]
     x = torch.randn(m, k, device=run.device).to(run.bf16)

@@ -104,8 +104,8 @@ def gguf_linear_bytes(path: Path) -> tuple[int, int]:
 def prepare(llm, spec: dict) -> None:
     """What a row does to a loaded engine beyond LLM(...)'s arguments: per-head FP8 KV scales
     (keys smoothed, per channel, or keys and values rotated first), or FP8 activations (W8A8)."""
-    from llmopt.layers.linear import round_fp8_activations
-    from llmopt.worker.kv_scales import calibration_token_ids
+    from llmopt.fp8.linear import round_fp8_activations
+    from llmopt.fp8.kv_scales import calibration_token_ids
 
     engine = llm.llm_engine
     if spec.get("per_head_kv"):
@@ -131,7 +131,7 @@ class EmulatedFP8KV:
         self.metadata = meta
 
     def store(self, layer, k, v):  # attention reads what this returns: k and v as the pool holds them
-        from llmopt.fp8 import dequantize_fp8, quantize_fp8
+        from llmopt.fp8.format import dequantize_fp8, quantize_fp8
 
         ks, vs = self.k_scale[layer][:, None], self.v_scale[layer][:, None]
         if "k" in self.parts:
@@ -147,9 +147,9 @@ def emulated_window_nll(llm, parts: str, max_tokens: int) -> list[tuple[float, i
     from llmopt.layers.attention import AttentionMetadata
     from llmopt.model.forward import run_model
     from llmopt.worker.kv_cache import observe_kv_amax
-    from llmopt.worker.kv_scales import calibration_token_ids
+    from llmopt.fp8.kv_scales import calibration_token_ids
     from llmopt.eval import heldout_text
-    from llmopt.fp8 import scale_from_amax
+    from llmopt.fp8.format import scale_from_amax
 
     engine = llm.llm_engine
     model = engine.model
@@ -224,7 +224,7 @@ def qk_overlap(num_tokens: int = 512) -> dict:
     from llmopt.layers.hadamard import random_hadamard
     from llmopt.model.forward import run_model
     from llmopt.worker.kv_cache import NoKVCache
-    from llmopt.worker.kv_scales import calibration_token_ids
+    from llmopt.fp8.kv_scales import calibration_token_ids
 
     engine = LLM(MODEL).llm_engine
     seen, attend = {}, llama.attention

@@ -23,7 +23,7 @@ import jsonschema
 import torch
 
 from llmopt import LLM, SamplingParams, StructuredOutputsParams
-from llmopt.layers.sampler import apply_token_bitmask
+from llmopt.structured.bitmask import apply_token_bitmask
 from llmopt.structured.matcher import RequestGrammar
 
 SCHEMAS = {

@@ -29,8 +29,8 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class EngineConfig:
-    model: str = "tiny"
-    tokenizer: str | None = None
+    model: str | os.PathLike = "tiny"
+    tokenizer: str | os.PathLike | None = None
     dtype: str | torch.dtype = "auto"
     device: str = "auto"
     block_size: int = 16
@@ -60,10 +60,15 @@ class EngineConfig:
     enable_trace: bool = False
 
     def __post_init__(self):
+        # paths as the rest of Python takes them: a string or any os.PathLike (pathlib.Path)
+        if isinstance(self.model, os.PathLike):
+            self.model = os.fspath(self.model)
+        if isinstance(self.tokenizer, os.PathLike):
+            self.tokenizer = os.fspath(self.tokenizer)
         # a number here reached the tokenizer loader as "expected str, bytes or os.PathLike object"
         if self.tokenizer is not None and not (isinstance(self.tokenizer, str) and self.tokenizer):
-            raise TypeError(f"tokenizer must be a model name or folder (a non-empty string) or None "
-                            f"(the model's own), got {self.tokenizer!r}")
+            raise TypeError(f"tokenizer must be a model name, a folder (a non-empty string or os.PathLike) "
+                            f"or None (the model's own), got {self.tokenizer!r}")
         _positive_int("block_size", self.block_size)
         if self.block_size & (self.block_size - 1) or self.block_size < 8:
             raise ValueError(f"block_size must be a power of two >= 8 (8, 16, 32, ...), got {self.block_size}")

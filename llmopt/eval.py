@@ -121,7 +121,7 @@ def _score_windows(engine, windows: list[list[int]], chunk_size: int) -> list[tu
         for start in range(0, max(len(s) for s in seqs), chunk_size):
             live = [i for i, s in enumerate(seqs) if len(s) > start]
             scheduled = [(seqs[i], min(chunk_size, len(seqs[i]) - start)) for i in live]
-            input_ids, meta = runner.prepare(scheduled)
+            input_ids, meta = runner.prepare(scheduled, bm.block_tables)
             hidden = run_model(engine.model, engine.kv_cache, input_ids, meta)
             logits = engine.model.compute_logits(hidden)
             gold = torch.cat([targets[i][start:start + n] for i, (_, n) in zip(live, scheduled)])

@@ -10,6 +10,7 @@ takes its requests out of the engine again, so the next call starts clean.
 
 from __future__ import annotations
 
+import os
 from numbers import Integral
 
 from llmopt.config import EngineConfig
@@ -19,7 +20,7 @@ from llmopt.sampling_params import SamplingParams
 
 
 class LLM:
-    def __init__(self, model: str = "tiny", **kwargs):
+    def __init__(self, model: str | os.PathLike = "tiny", **kwargs):
         self.config = EngineConfig(model=model, **kwargs)  # TypeError on unknown arguments
         self.llm_engine = LLMEngine(self.config)
         self._counter = 0

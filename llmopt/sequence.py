@@ -44,7 +44,7 @@ class Sequence:
         self.num_preemptions = 0
         self.spec_token_ids: list[int] = []  # proposed continuation, verified in the next step
         self.spec_draft_probs: torch.Tensor | None = None  # [k, V] q of a model proposer
-        self.spec_tree = None  # a DraftTree (llmopt/worker/draft_tree.py): spec_token_ids in its flat order
+        self.spec_tree = None  # a DraftTree (llmopt/spec/draft_tree.py): spec_token_ids in its flat order
         self.grammar = None  # structured outputs: the matcher of its constraint (llmopt/structured)
 
     def clear_drafts(self) -> None:

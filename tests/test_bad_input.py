@@ -174,6 +174,19 @@ def test_unknown_or_mistyped_engine_arguments():
         LLM(model="tiny", tokenizer=5)
 
 
+def test_paths_are_taken_as_os_pathlike_and_names_as_names():
+    """model= and tokenizer= take a string or any os.PathLike; a tokenizer may be a known name."""
+    import pathlib
+
+    from llmopt import model_path
+
+    tiny = model_path("tiny")
+    for tokenizer in (pathlib.Path(tiny), str(tiny), "tiny"):
+        llm = LLM(model=pathlib.Path(tiny), tokenizer=tokenizer, num_kv_blocks=8)
+        assert llm.llm_engine.config.tokenizer == str(tokenizer)
+        assert llm.tokenizer.encode("hello") == LLM(model="tiny", num_kv_blocks=8).tokenizer.encode("hello")
+
+
 @pytest.mark.parametrize("kwargs,exc,match", [
     (dict(temperature=-0.1), ValueError, "temperature"),
     (dict(temperature="hot"), TypeError, "temperature"),

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from llmopt import config as config_module
-from llmopt import fp8 as fp8_module
+from llmopt.fp8 import format as fp8_module
 from llmopt.config import EngineConfig, resolve_dtype
-from llmopt.fp8 import fp8_compute_supported, native_fp8_supported
+from llmopt.fp8.format import fp8_compute_supported, native_fp8_supported
 from llmopt.kernels import paged_attention as pa
 
 T4, A100, L4, H100 = (7, 5), (8, 0), (8, 9), (9, 0)

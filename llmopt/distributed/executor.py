@@ -23,7 +23,6 @@ import sys
 import threading
 import weakref
 from collections import deque
-from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -33,7 +32,7 @@ from llmopt.distributed.parallel_state import ParallelGrid, destroy_groups, free
 from llmopt.distributed.pipeline import bubble_fraction, stage_layers
 from llmopt.distributed.sharding import attention_heads, kv_heads_per_rank
 from llmopt.distributed.worker import Worker, serve
-from llmopt.worker.model_runner import ModelRunner
+from llmopt.worker.model_runner import ModelRunner, StepOutput
 
 
 def check_parallel_config(config, model_config, device: torch.device | None = None) -> None:
@@ -111,9 +110,9 @@ class MultiprocExecutor:
         dist.broadcast_object_list([num_blocks], src=0)
         return self.worker.init_kv_cache(num_blocks)
 
-    def make_runner(self, model, kv_cache, block_manager, device, eos_token_ids):
+    def make_runner(self, model, kv_cache, block_size, device, eos_token_ids):
         """The engine's model runner, with the forward done by every rank (`model`: the driver's shard)."""
-        runner = ParallelModelRunner(self, kv_cache, block_manager, device, eos_token_ids)
+        runner = ParallelModelRunner(self, kv_cache, block_size, device, eos_token_ids)
         self._runner = weakref.ref(runner)
         return runner
 
@@ -287,10 +286,10 @@ class ParallelModelRunner(ModelRunner):
     With a pipeline, up to `max_in_flight` steps are submitted before the oldest is collected;
     the record of what is in flight is kept here, in step with the workers."""
 
-    def __init__(self, executor: MultiprocExecutor, kv_cache, block_manager, device, eos_token_ids):
-        super().__init__(executor.model, kv_cache, block_manager, device, eos_token_ids)
+    def __init__(self, executor: MultiprocExecutor, kv_cache, block_size, device, eos_token_ids):
+        super().__init__(executor.model, kv_cache, block_size, device, eos_token_ids)
         self.executor = executor
-        self.pending: deque = deque()  # (step, sampling rows, logits index, logits or None)
+        self.pending: deque = deque()  # (sampling rows, logits index, grammar bitmask, logits or None)
 
     @property
     def max_in_flight(self) -> int:
@@ -300,31 +299,41 @@ class ParallelModelRunner(ModelRunner):
     def num_in_flight(self) -> int:
         return len(self.pending)
 
-    def submit(self, sched) -> None:
-        """Start the step `sched` (a SchedulerOutput) down the pipeline."""
+    def submit(self, scheduled, block_tables, grammar_bitmask=None) -> None:
+        """Start a step down the pipeline (the arguments are `execute`'s)."""
         with deferred_interrupt():  # what is in flight must stay in step with the workers
-            ids, starts, lens, tables = self.step_inputs(sched.scheduled)
+            ids, starts, lens, tables = self.step_inputs(scheduled, block_tables)
             tables = [list(t) for t in tables]  # as they are now: the block manager goes on changing them
-            rows, index = self.sampling_rows(sched.scheduled)
+            rows, index = self.sampling_rows(scheduled)
             meta = {"ids": ids, "starts": starts, "lens": lens, "tables": tables, "index": index}
             logits = self.executor.submit(meta)
-            self.pending.append((sched, rows, index, logits))
+            self.pending.append((rows, index, grammar_bitmask, logits))
 
-    def collect(self):
-        """The oldest step in flight and its sampled tokens: (sched, request_id -> tokens)."""
+    def collect(self) -> StepOutput:
+        """The oldest step in flight, its tokens sampled (steps come back in submission order)."""
         with deferred_interrupt():
-            sched, rows, index, logits = self.pending.popleft()
+            rows, index, grammar_bitmask, logits = self.pending.popleft()
             if not rows:
-                return sched, {}
+                return StepOutput({})
             if logits is None:
                 logits = self.executor.recv_logits(len(index), self.executor.model.config.vocab_size)
-            return sched, self.sample(rows, logits)
+            return StepOutput(self.sample(rows, logits, grammar_bitmask))
 
-    def execute(self, scheduled):
+    def execute(self, scheduled, block_tables, grammar_bitmask=None) -> StepOutput:
         """One step, submitted and collected (the engine's path when one step is in flight)."""
         with deferred_interrupt():
-            self.submit(SimpleNamespace(scheduled=scheduled))
-            return self.collect()[1]
+            self.submit(scheduled, block_tables, grammar_bitmask)
+            return self.collect()
+
+
+def start_workers(config, model_path, model_config, dtype, device) -> MultiprocExecutor:
+    """Tensor/pipeline parallel: start the worker ranks and return the driver's handle on them
+    (its `model` is the driver's own shard). Under torchrun, on a rank other than 0, serve as
+    that rank instead, and exit when the driver shuts down."""
+    if launched_by_torchrun() and int(os.environ["RANK"]) != 0:
+        serve_torchrun_rank(config, model_path, model_config, dtype, device)
+        raise SystemExit(0)
+    return MultiprocExecutor(config, model_path, model_config, dtype, device)
 
 
 def serve_torchrun_rank(config, model_path, model_config, dtype, device) -> None:
@@ -346,4 +355,5 @@ __all__ = [
     "bubble_fraction",
     "check_parallel_config",
     "serve_torchrun_rank",
+    "start_workers",
 ]

@@ -17,8 +17,8 @@ the engine and every other request go on.
 from __future__ import annotations
 
 import logging
-import os
 import time
+from collections import deque
 
 import torch
 
@@ -35,6 +35,7 @@ from llmopt.model.registry import resolve_model
 from llmopt.outputs import RequestOutput
 from llmopt.sampling_params import SamplingParams
 from llmopt.sequence import Sequence
+from llmopt.spec import step as spec_step
 from llmopt.spec.proposers import make_proposer
 from llmopt.structured.manager import StructuredOutputManager
 from llmopt.worker import huge_pages, kv_pools
@@ -57,14 +58,17 @@ class LLMEngine:
         self.max_model_len = config.max_model_len or limit
         self.device = config.torch_device()
         self.dtype = config.torch_dtype(self.model_config.torch_dtype)
-        self.tokenizer = load_tokenizer(config.tokenizer or self.model_path)
+        self.tokenizer = load_tokenizer(resolve_model(config.tokenizer) if config.tokenizer else self.model_path)
         self.eos_token_ids = set(self.model_config.eos_token_ids) | generation_eos_ids(self.model_path)
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         torch.manual_seed(config.seed)
         self.executor = None  # tensor/pipeline parallel: the driver's handle on the worker ranks
         if config.tensor_parallel_size * config.pipeline_parallel_size > 1:
-            self.model = self._start_workers()
+            from llmopt.distributed.executor import start_workers
+
+            self.executor = start_workers(config, self.model_path, self.model_config, self.dtype, self.device)
+            self.model = self.executor.model  # the driver's own shard
         else:
             self.model = load_model(self.model_path, self.dtype, self.device, config.quantization)
             huge_pages.move_weights(self.model)  # CPU weights onto 2 MB pages, before anything holds one
@@ -75,7 +79,9 @@ class LLMEngine:
                                       self.dtype, self.device)
         # the pool's dtype: the model's, or FP8 (1 byte a number: more blocks in the same budget)
         self.kv_cache_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, self.dtype)
-        self.bytes_per_block = kv_pools.bytes_per_block(cfg, self.block_size, self.kv_cache_dtype, self.executor)
+        ex = self.executor  # with parallel workers, one rank's share of a block: its stage's layers, its KV heads
+        self.bytes_per_block = kv_pools.bytes_per_block(cfg, self.block_size, self.kv_cache_dtype,
+                                                        *((ex.kv_layers, ex.kv_heads) if ex else ()))
         if self.proposer is not None:  # a draft's KV lives in blocks of the same tables
             self.bytes_per_block += self.proposer.bytes_per_block(self.block_size)
         try:
@@ -87,21 +93,28 @@ class LLMEngine:
             raise
         prefix_cache = RadixCache if config.prefix_cache == "radix" else BlockManager
         self.block_manager = prefix_cache(self.num_blocks, self.block_size, config.enable_prefix_caching)
-        self.kv_cache = kv_pools.build_kv_pool(self)
+        if ex is not None:  # every rank allocates its share of the same blocks
+            self.kv_cache = ex.init_kv_cache(self.num_blocks)
+        else:  # one process (enforce_eager=True: attention in plain torch too, no kernel)
+            self.kv_cache = kv_pools.build_kv_pool(cfg, self.num_blocks, self.block_size, self.dtype, self.device,
+                                                   config.kv_cache_dtype, kernels=not config.enforce_eager)
+        kv_pools.set_kv_scales(self.kv_cache, config.calculate_kv_scales, self.model, self.tokenizer,
+                               self.model_path, self.max_model_len)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens, config.enable_chunked_prefill,
                                    config.scheduling_policy, max_in_flight=config.pipeline_parallel_size)
-        self.runner = (ModelRunner if self.executor is None else self.executor.make_runner)(
-            self.model, self.kv_cache, self.block_manager, self.device, self.eos_token_ids)
+        self.runner = (ModelRunner if ex is None else ex.make_runner)(
+            self.model, self.kv_cache, self.block_size, self.device, self.eos_token_ids)
         # how every step's forward runs, chosen once: eager torch, the compiled CPU step, CUDA graphs
         self.runner.backend = choose_step_backend(
             self.model, self.kv_cache, self.device, config.enforce_eager, self.executor is not None,
             config.max_num_seqs, -(-self.max_model_len // self.block_size))
         self.decode_path = self.runner.backend.path
         self.requests: dict[str, Sequence] = {}
+        self.in_flight: deque[SchedulerOutput] = deque()  # pipelined steps submitted, oldest first
         # structured outputs: grammars compile in worker threads; bitmask, matchers, jump-forward
-        self.structured = StructuredOutputManager(self.tokenizer, cfg.vocab_size, self.eos_token_ids)
-        self.runner.structured = self.structured
+        self.structured = StructuredOutputManager(self.tokenizer, cfg.vocab_size, self.eos_token_ids,
+                                                  self.max_model_len)
         self.trace: list[dict] | None = [] if config.enable_trace else None
         self.step_count = 0
         self.stats = {"num_requests": 0, "num_finished": 0, "num_aborted": 0, "num_failed": 0,
@@ -109,26 +122,11 @@ class LLMEngine:
         sc = config.speculative_config
         self.num_spec_tokens = sc["num_speculative_tokens"] if sc else 0
         if self.proposer is not None:
-            self.proposer.bind(self.block_manager, self.num_blocks, compiled=self.decode_path == "compiled",
-                               kernels=not config.enforce_eager)
-        self.spec_stats = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0,
-                           "accepted_per_position": [0] * self.num_spec_tokens}
+            self.proposer.bind(self.num_blocks, self.block_size, self.kv_cache,
+                               compiled=self.decode_path == "compiled", kernels=not config.enforce_eager)
+        self.spec_stats = spec_step.new_spec_stats(self.num_spec_tokens)
         # last, so dropped last: `del llm` frees the engine (no cycle), then this returns the pages to the OS
         self._memory_release = HostMemoryRelease()
-
-    def _start_workers(self):
-        """Tensor/pipeline parallel: start the worker ranks (or, under torchrun on a rank other
-        than 0, serve as one and exit); returns the driver's own shard of the model."""
-        from llmopt.distributed import executor
-        from llmopt.distributed.parallel_state import launched_by_torchrun
-
-        if launched_by_torchrun() and int(os.environ["RANK"]) != 0:
-            executor.serve_torchrun_rank(self.config, self.model_path, self.model_config, self.dtype,
-                                         self.device)
-            raise SystemExit(0)
-        self.executor = executor.MultiprocExecutor(self.config, self.model_path, self.model_config,
-                                                   self.dtype, self.device)
-        return self.executor.model
 
     def close(self) -> None:
         """Stop the worker ranks, if any, and the grammar compiler's threads."""
@@ -216,13 +214,33 @@ class LLMEngine:
 
     # -- one step --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        waiting = self.structured.pending  # constrained requests whose grammar compiled join the scheduler now
-        failed = self.structured.admit_ready(self, wait=not self.scheduler.has_unfinished()) if waiting else []
+        admitted = self._admit_constrained() if self.structured.pending else []
         if self.runner.max_in_flight > 1:  # pipeline parallelism: micro-batches in flight
-            return failed + self._pipelined_step()
+            return admitted + self._pipelined_step()
         sched = self._schedule()
         sampled, errors = self._execute(sched.scheduled)
-        return failed + self._process(sched, sampled, errors)
+        return admitted + self._process(sched, sampled, errors)
+
+    def _admit_constrained(self) -> list[RequestOutput]:
+        """Constrained requests whose grammar has compiled join the scheduler (with the text
+        their grammar forces at the start); those whose grammar failed end here."""
+        outputs = []
+        for seq, error in self.structured.admit_ready(wait=not self.scheduler.has_unfinished()):
+            if error is not None:
+                outputs.append(self.fail_request(seq.request_id, error))
+                continue
+            self.stats["generation_tokens"] += len(seq.output_token_ids)  # the forced opening
+            if seq.is_finished:  # max_tokens reached by the forced opening alone
+                outputs.append(self._finish(seq))
+            else:
+                self.scheduler.add(seq)
+        return [out for out in outputs if out is not None]
+
+    def _finish(self, seq: Sequence) -> RequestOutput:
+        self.remove_request(seq)
+        seq.finalize_text(self.tokenizer)
+        self.stats["num_finished"] += 1
+        return seq.to_output()
 
     def _pipelined_step(self) -> list[RequestOutput]:
         """Several micro-batches in flight: how pipeline parallelism keeps every stage busy.
@@ -233,15 +251,18 @@ class LLMEngine:
         micro-batch A, stage 0 runs B. vLLM gets the same effect from pipeline_parallel_size
         virtual engines, each with its own scheduler; here one scheduler takes turns, so the KV
         pool and the prefix cache stay shared. Outputs come in the order steps were scheduled."""
-        while self.runner.num_in_flight < self.runner.max_in_flight:
+        while len(self.in_flight) < self.runner.max_in_flight:
             sched = self._schedule()
             if not sched.scheduled:
                 self.scheduler.finish_step(sched)
                 break
-            self.runner.submit(sched)
-        if not self.runner.num_in_flight:
+            constrained = any(seq.grammar is not None for seq, _ in sched.scheduled)
+            self.runner.submit(sched.scheduled, self.block_manager.block_tables,
+                               self._grammar_bitmask(sched.scheduled) if constrained else None)
+            self.in_flight.append(sched)
+        if not self.in_flight:
             return []
-        sched, sampled = self.runner.collect()
+        sched, sampled = self.in_flight.popleft(), self.runner.collect().sampled
         # a request aborted while its micro-batch was in flight is already gone from the engine
         sched.scheduled = [(seq, n) for seq, n in sched.scheduled if not seq.is_finished]
         return self._process(sched, sampled, {})
@@ -290,7 +311,7 @@ class LLMEngine:
                 continue
             emitted = sampled.get(seq.request_id)
             if seq.spec_token_ids and emitted is not None:
-                spec_results[seq.request_id] = self._count_verified(seq, n, emitted)
+                spec_results[seq.request_id] = spec_step.count_verified(self.spec_stats, seq, n, emitted)
             else:
                 seq.num_computed_tokens += n
             if seq.spec_token_ids:
@@ -305,15 +326,13 @@ class LLMEngine:
                 seq.check_stop(self.eos_token_ids, self.max_model_len, self.tokenizer)
                 if seq.is_finished:
                     break
-            if emitted and seq.grammar is not None:
-                self.structured.jump_forward(seq, self, now)  # forced text appended, no step
+            if emitted and seq.grammar is not None:  # forced text appended, no step
+                self.stats["generation_tokens"] += self.structured.jump_forward(seq, now)
             if self.proposer is not None and not seq.is_finished:
                 bm.trim(seq.request_id, len(seq))  # blocks that only held rejected drafts
             bm.cache_full_blocks(seq.request_id, seq.token_ids, seq.num_computed_tokens)
             if seq.is_finished:
-                self.remove_request(seq)
-                seq.finalize_text(self.tokenizer)
-                self.stats["num_finished"] += 1
+                self._finish(seq)
                 finished.append(seq.request_id)
             if emitted is not None:
                 outputs.append(seq.to_output())
@@ -321,17 +340,6 @@ class LLMEngine:
             self.trace.append(stats.trace_record(self, sched, before, finished, spec_results))
         self.step_count += 1
         return outputs
-
-    def _count_verified(self, seq: Sequence, n: int, emitted: list[tuple]) -> dict:
-        """k drafts were computed; only the accepted ones (len(emitted) - 1) stay valid."""
-        drafts, accepted = list(seq.spec_token_ids), len(emitted) - 1
-        seq.num_computed_tokens += n - len(drafts) + accepted
-        st = self.spec_stats
-        st["num_drafts"] += 1
-        st["num_draft_tokens"] += len(drafts)
-        st["num_accepted_tokens"] += accepted
-        st["accepted_per_position"][:accepted] = [c + 1 for c in st["accepted_per_position"][:accepted]]
-        return {"draft_token_ids": drafts, "emitted_token_ids": [t for t, _ in emitted]}
 
     def _execute(self, scheduled) -> tuple[dict, dict[str, Exception]]:
         """The step's forward and sampling -> (request_id -> emitted tokens, request_id -> error).
@@ -342,23 +350,27 @@ class LLMEngine:
         been used before the batch raised."""
         if not scheduled:
             return {}, {}
-        try:
-            sampled = self.runner.execute(scheduled)
-            if self.proposer is not None:
-                self.proposer.observe(self.runner)
-            return sampled, {}
-        except Exception as e:
-            if len(scheduled) == 1:
-                return {}, {scheduled[0][0].request_id: e}
+        batches = [scheduled]
         sampled, errors = {}, {}
-        for item in scheduled:  # the batch raised: each request alone
+        while batches:
+            batch = batches.pop()
             try:
-                sampled.update(self.runner.execute([item]))
-                if self.proposer is not None:
-                    self.proposer.observe(self.runner)
+                constrained = any(seq.grammar is not None for seq, _ in batch)
+                out = self.runner.execute(batch, self.block_manager.block_tables,
+                                          self._grammar_bitmask(batch) if constrained else None)
+                if self.proposer is not None:  # an EAGLE head keeps the target's features
+                    self.proposer.observe(out)
+                sampled.update(out.sampled)
             except Exception as e:
-                errors[item[0].request_id] = e
+                if len(batch) == 1:
+                    errors[batch[0][0].request_id] = e
+                else:  # the batch raised: each request alone
+                    batches = [[item] for item in reversed(batch)]
         return sampled, errors
+
+    def _grammar_bitmask(self, scheduled):
+        """Structured outputs: what each grammar allows next, over the rows that sample."""
+        return self.structured.bitmask(self.runner.sampling_rows(scheduled)[0])
 
     def _propose(self) -> None:
         """Drafts for every decoding sequence, capped so that a fully accepted run never
@@ -367,12 +379,7 @@ class LLMEngine:
         short, that sequence simply decodes plainly this step."""
         seqs, ks = [], []
         for seq in self.scheduler.running:
-            if seq.num_computed_tokens != seq.num_tokens - 1:
-                continue  # still prefilling
-            room = self.max_model_len - len(seq) - 1
-            if seq.params.max_tokens is not None:
-                room = min(room, seq.params.max_tokens - len(seq.output_token_ids) - 1)
-            k = min(self.num_spec_tokens, room)
+            k = spec_step.draft_length(seq, self.num_spec_tokens, self.max_model_len)
             if k < 1:
                 continue
             if self.proposer.writes_kv and not self.scheduler.allocate_lookahead(seq, self.proposer.lookahead_slots(k)):
@@ -380,7 +387,7 @@ class LLMEngine:
             seqs.append(seq)
             ks.append(k)
         if seqs:
-            for seq, (drafts, q) in zip(seqs, self.proposer.propose(seqs, ks)):
+            for seq, (drafts, q) in zip(seqs, self.proposer.propose(seqs, ks, self.block_manager.block_tables)):
                 seq.spec_token_ids, seq.spec_draft_probs = drafts, q
 
     # -- numbers (llmopt/engine/stats.py) ---------------------------------------------------------------

@@ -13,7 +13,7 @@ import torch
 
 from llmopt.exercises.base import Case, Exercise
 from llmopt.exercises.rtn import weights_perplexity
-from llmopt.fp8 import dequantize_fp8, fp8_values, per_channel_scale, quantize_fp8
+from llmopt.fp8.format import dequantize_fp8, fp8_values, per_channel_scale, quantize_fp8
 
 
 def round_to_e4m3_solution(x: torch.Tensor) -> torch.Tensor:

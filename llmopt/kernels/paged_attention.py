@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import torch
 
-from llmopt.fp8 import native_fp8_supported
+from llmopt.fp8.format import native_fp8_supported
 from llmopt.kernels import HAS_TRITON
 from llmopt.kernels.paged_attention_ref import paged_attention_ref  # noqa: F401  (the meaning, beside its kernels)
 
@@ -258,7 +258,7 @@ def _check_scales(k_scale, v_scale) -> tuple[float, float]:
 
 def triton_has_e4m3(device: torch.device) -> bool:
     """Triton knows e4m3 where FP8 is computed (CUDA from compute capability 8.9: Ada, Hopper; see
-    llmopt.fp8.fp8_compute_supported), and in the interpreter. Elsewhere an FP8 pool is storage."""
+    llmopt.fp8.format.fp8_compute_supported), and in the interpreter. Elsewhere an FP8 pool is storage."""
     return device.type != "cuda" or native_fp8_supported(device)
 
 

@@ -15,11 +15,11 @@ reads one shared key/value head.
 
 On a GPU, SDPA's fused kernels do this (`enable_gqa` handles the groups); paged pools are read
 by llmopt.layers.paged_attention (torch, the C++ kernel or Triton, fixed when the pool is built).
-On the CPU, two plain matmuls
-per tile of queries beat SDPA for an engine's shapes (2.8x for a 256-token prompt, 4.6x for
-1024, bundled model, 2 threads): a group's query heads are stacked into one matrix, so each kv
-head's keys are read by one matmul, never copied per query head; and each tile multiplies only
-the keys up to its last query, skipping the half of a causal square the mask would throw away.
+On the CPU, two plain matmuls per tile of queries beat SDPA for an engine's shapes, more so the
+longer the prompt (measured: benchmarks/README.md, "Measurements behind the code's choices"): a
+group's query heads are stacked into one matrix, so each kv head's keys are read by one matmul,
+never copied per query head; and each tile multiplies only the keys up to its last query,
+skipping the half of a causal square the mask would throw away.
 """
 
 from __future__ import annotations
@@ -134,6 +134,27 @@ def whole_sequence_attention(q, k, v, cache, layer: int, scale: float, window=No
     return torch.cat([sequence_attention(q[s:e], k[s:e], v[s:e], scale, window) for s, e in zip(starts, starts[1:])])
 
 
+class KVCache:
+    """What every cache offers the attention layers: the step's metadata, `store`, and how
+    attention reads what it keeps (`attend`). The caches themselves (none, contiguous, paged,
+    MLA's latent pool) live with the pools, in llmopt/worker/kv_cache.py."""
+
+    layout = "none"   # how keys are kept: "none", "contiguous", "paged" (or "latent": MLA)
+    metadata: AttentionMetadata
+    rotation: torch.Tensor | None = None   # [D, D] orthogonal: attention hands over k R, v R (PagedKVCache.rotate)
+    # how attention reads what this cache keeps: a cache that keeps
+    # nothing holds whole sequences, whose keys are the step's own
+    attend = staticmethod(whole_sequence_attention)
+
+    def begin_step(self, meta: AttentionMetadata) -> None:
+        self.metadata = meta
+
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        """Keep this step's new keys and values [num_tokens, Hkv, D] of `layer`. A cache that keeps
+        nothing may return the (keys, values) attention should read instead (an emulation of a
+        lossy cache does: keys rounded as an FP8 pool would hold them); None: read this step's."""
+
+
 def contiguous_attention(q, k, v, cache, layer: int, scale: float, window=None):
     """Over the strips K, V [max_seqs, Hkv, max_len, D] of a ContiguousKVCache, which already
     hold this step's keys."""
@@ -212,9 +233,9 @@ def _tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
         # softmax in fp32 whatever the model's dtype, as fused attention kernels accumulate
         scores = (scores.float() * scale).masked_fill_(~allowed[None, :, None, :], float("-inf"))
         # Keys scoring more than SUBNORMAL_GAP below their row's best get probability exactly 0
-        # rather than exp(-88...-104): subnormal floats, which x86 cores compute dozens of times
-        # slower than normal ones (measured on the bundled model: a 500-token prompt's attention
-        # takes 2 ms in layer 0 and 12 ms in layer 1, where such scores appear). e^-80 = 2e-35 is
+        # rather than exp(-88...-104): subnormal floats, which x86 cores compute far slower than
+        # normal ones, so a layer where such scores appear attended far slower than one without
+        # (measured: benchmarks/README.md, "Measurements behind the code's choices"). e^-80 = 2e-35 is
         # far below what a float32 sum of the row's probabilities (the largest is e^0 = 1) or
         # of their weighted values can register, so the output does not change.
         floor = scores.amax(-1, keepdim=True) - SUBNORMAL_GAP

@@ -105,7 +105,7 @@ def paged_attention_torch(q, k, v, cache, layer: int, scale: float, window=None)
 
 def paged_masked_attention(q, K, V, ks, vs, meta: AttentionMetadata, block_size: int, scale: float,
                            window=None):
-    """A step with explicit masks (draft-tree verification, llmopt/worker/draft_tree.py): each
+    """A step with explicit masks (draft-tree verification, llmopt/spec/draft_tree.py): each
     sequence's keys are read from its blocks in slot order and its queries attend where its
     mask allows (a sequence without one: causal). Slot order need not be position order here;
     keys carry their positions already (RoPE was applied before they were stored). Two matmuls

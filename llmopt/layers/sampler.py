@@ -22,9 +22,10 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """The index of each row's largest logit ([..., V] -> [...], int64): torch.argmax's answer,
     the first index on ties, NaN counting as the largest, as numpy's argmax gives it.
 
-    Why not torch.argmax: on the CPU it is a scalar loop, 85-120 us for one row of SmolLM2's
-    49,152 logits against numpy's vectorized 4 us; 64 rows took 3.5 ms, 5% of a 64-sequence
-    Q8_0 decode step, and a speculative step's verification asks for it once per position."""
+    Why not torch.argmax: on the CPU it is a scalar loop, far slower than numpy's vectorized
+    argmax over a row of SmolLM2's 49,152 logits and a visible share of a decode step at many
+    sequences, and a speculative step's verification asks for it once per position.
+    (measured: benchmarks/README.md, "Measurements behind the code's choices")"""
     if logits.device.type != "cpu" or logits.requires_grad or not logits.is_floating_point():  # step choice: argmax
         return logits.argmax(-1)
     rows = logits.detach()
@@ -44,11 +45,11 @@ def draw_tokens(probs: torch.Tensor, generators: list) -> torch.Tensor:
     drawn, and each row takes exactly one number from its own generator, so a seeded request draws
     the same tokens wherever it sits in the batch.
 
-    Why not torch.multinomial: on the CPU it takes 1.2 ms for one row of SmolLM2's 49,152
-    probabilities, a fifth of a Q8_0 decode step at batch 1, and about 80 ms for 64 rows, more than
-    the step's forward. And why two levels: a float64 cumulative sum over whole rows took 12 ms of
-    64 rows (the widening copy and the sequential sum); summing chunks of 256 first, then one
-    chunk's 256, reads each probability once."""
+    Why not torch.multinomial: on the CPU, for rows of SmolLM2's 49,152 probabilities, it costs a
+    large share of a Q8_0 decode step at batch 1 and more than the step's forward at many rows.
+    And why two levels: a float64 cumulative sum over whole rows is slow (the widening copy and the
+    sequential sum); summing chunks of 256 first, then one chunk's 256, reads each probability once.
+    (measured: benchmarks/README.md, "Measurements behind the code's choices")"""
     dev, (n, V) = probs.device, probs.shape
     u = torch.stack([torch.rand((), dtype=torch.float64, generator=g, device=dev) for g in generators])
     probs = probs if probs.dtype in (torch.float32, torch.float64) else probs.float()
@@ -78,17 +79,19 @@ def exp_normal(x: torch.Tensor) -> torch.Tensor:
     """exp of logits whose best is 0, without the mass of subnormal floats: exp(max(x, -87)) -
     exp(-87), so a token below -87 (or at -inf: a mask) gets exactly 0 and every other loses
     1.6e-38 (only those just above -87 can still come out subnormal). On x86 exp and sums take a
-    slow path on subnormals: 64 rows of SmolLM2's logits at temperature 0.1 took 35 ms to exp
-    against 0.5 at temperature 1; this takes 1.3-1.6 ms at any temperature."""
+    slow path on subnormals, which a low temperature makes of most of a row's exponentials; this
+    costs the same at any temperature.
+    (measured: benchmarks/README.md, "Measurements behind the code's choices")"""
     if x.numel() == 0 or bool(x.amin() >= -87.0):  # (a trained model at temperature ~1: no tail that far)
         return x.exp()
     return x.clamp(min=-87.0).exp_().sub_(EXP_FLOOR)
 
 
 # Candidate prefixes tried before sorting whole rows. A nucleus is usually a few dozen of SmolLM2's
-# 49,152 tokens, and the 128 largest (torch.topk) take 0.15 ms on the CPU where sorting the row
-# takes 3.8 (8 rows: 0.7 against 19 ms). A row's prefix is enough when the token after it would be
-# dropped anyway; the rows where it is not (flat ones) try the next, and last the full sort.
+# 49,152 tokens, and on the CPU the 128 largest (torch.topk) cost a small fraction of sorting the
+# row. A row's prefix is enough when the token after it would be dropped anyway; the rows where it
+# is not (flat ones) try the next, and last the full sort.
+# (measured: benchmarks/README.md, "Measurements behind the code's choices")
 CANDIDATES = (128, 2048)
 
 
@@ -116,7 +119,7 @@ def filtered_candidates(logits: torch.Tensor, temperature: torch.Tensor, top_k: 
     (-inf where dropped; id 0 pads a row whose prefix was shorter than C), or (the dense rows,
     None) when no row filters. A draw over the C candidates is a draw over the filtered row."""
     logits = logits.float()
-    logits = (logits - logits.amax(-1, keepdim=True)).div_(temperature.float()[:, None])  # (amax: 10x max's speed)
+    logits = (logits - logits.amax(-1, keepdim=True)).div_(temperature.float()[:, None])  # (amax: faster than max)
     B, V = logits.shape
     k = torch.where(top_k <= 0, V, top_k.clamp(max=V))
     active = (k < V) | (top_p < 1) | (min_p > 0)
@@ -217,24 +220,6 @@ def hold_back_stop_tokens(logits: torch.Tensor, rows: list[tuple[int, int, objec
         if masked is logits:
             masked = logits.clone()
         masked[first:first + short, sorted(stop_ids)] = float("-inf")
-    return masked
-
-
-def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """int32 bitmask [B, ceil(V / 32)] -> bool [B, V]: bit j of word w allows token 32 * w + j
-    (xgrammar's layout, and vLLM's and SGLang's)."""
-    bits = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    return ((bitmask[:, :, None] >> bits) & 1).bool().flatten(1)[:, :vocab_size]
-
-
-def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    """Structured outputs: a copy of `logits` in which row rows[i] keeps only the tokens that
-    bitmask[i] allows (the rest -inf). It comes before temperature, top-k and top-p, so a draw
-    is from the model's distribution renormalized over the allowed tokens, then filtered."""
-    allowed = unpack_bitmask(bitmask.to(logits.device), logits.shape[-1])
-    index = torch.tensor(rows, device=logits.device)
-    masked = logits.clone()
-    masked[index] = masked[index].masked_fill(~allowed, float("-inf"))
     return masked
 
 

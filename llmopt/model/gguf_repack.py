@@ -2,7 +2,7 @@
 
 By default a GGUF file is dequantized when loaded (`llmopt.model.gguf`) and runs as a dense
 model. With quantization="gguf" every linear layer whose tensors are Q8_0, Q4_0 or Q4_1 is
-rebuilt from the file's own blocks as a `GGUFLinear` (llmopt.layers.gguf_linear): the same
+rebuilt from the file's own blocks as a `GGUFLinear` (llmopt.layers.quant.gguf_linear): the same
 32-weight blocks and fp16 scales llama.cpp multiplies by, nothing requantized, so llmopt runs
 the model llama.cpp runs. Fused layers stack their tensors' blocks by rows (q, k, v; gate, up);
 Q and K rows are put back in Hugging Face's order, block by block.
@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from llmopt.kernels.cpu.gguf_blocks import GGML_TYPES, GGUFBlockWeight
-from llmopt.layers.gguf_linear import GGUFLinear
+from llmopt.layers.quant.gguf_linear import GGUFLinear
 from llmopt.model.gguf import gguf_tensors, unpermute_rope_rows
 
 

@@ -5,7 +5,7 @@ any weights are used: a missing config.json or weights file, a corrupt safetenso
 header, an architecture we do not implement, a missing or misshapen tensor.
 
 Quantized checkpoints (config.json's `quantization_config`: GPTQ, AWQ, FP8) get the
-matching modules of `llmopt.layers.linear` in place of the decoder's `nn.Linear` layers
+matching modules of `llmopt.layers.quant.linear` in place of the decoder's `nn.Linear` layers
 before any memory is allocated; `quantization="int8" | "fp8"` quantizes a full-precision
 checkpoint's linear layers right after loading it.
 """
@@ -217,7 +217,7 @@ def load_tokenizer(path: str | Path):
 # -- quantized checkpoints -----------------------------------------------------------------------------
 def quant_scheme(cfg: ModelConfig, quantization: str | None, folder: Path):
     """What config.json's quantization_config (or the `quantization` argument) asks for."""
-    from llmopt.layers.quant_formats import QuantScheme  # the plain path imports no quantization code
+    from llmopt.layers.quant.formats import QuantScheme  # the plain path imports no quantization code
 
     if cfg.quantization_config is None:
         return QuantScheme.on_load(quantization)
@@ -230,14 +230,14 @@ def quant_scheme(cfg: ModelConfig, quantization: str | None, folder: Path):
 
 def use_quantized_linears(model: LlamaForCausalLM, scheme, dtype: torch.dtype) -> None:
     """Replace (on meta) each linear layer the scheme converts by an empty quantized one."""
-    from llmopt.layers.linear import make_quant_linear
+    from llmopt.layers.quant.registry import make_quant_linear
 
     for name, parts in model.quantizable_linears().items():
         if scheme.converts(parts):
             dense = model.get_submodule(name)
             with torch.device("meta"):
                 if scheme.method == "nf4":
-                    from llmopt.layers.nf4_linear import NF4Linear
+                    from llmopt.layers.quant.nf4_linear import NF4Linear
 
                     q = NF4Linear(dense.in_features, dense.out_features, scheme.group_size,
                                   dense.bias is not None, dtype)
@@ -250,7 +250,8 @@ def use_quantized_linears(model: LlamaForCausalLM, scheme, dtype: torch.dtype) -
 @torch.no_grad()
 def quantize_linears(model: LlamaForCausalLM, method: str) -> None:
     """Quantize-on-load: "int8" (RTN, per output channel) or "fp8" (e4m3, per output channel)."""
-    from llmopt.layers.linear import Fp8Linear, Int8Linear
+    from llmopt.fp8.linear import Fp8Linear
+    from llmopt.layers.quant.linear import Int8Linear
 
     make = {"int8": Int8Linear, "fp8": Fp8Linear}[method].from_linear
     for name in model.quantizable_linears():

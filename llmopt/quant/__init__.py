@@ -11,7 +11,7 @@ the GPTQ / AWQ layouts and reading quantization_config; checkpoint.py: writing t
 quantizer.py: `quantize`, which ties them together.
 """
 
-from llmopt.layers.quant_formats import QuantizedWeight, QuantScheme
+from llmopt.layers.quant.formats import QuantizedWeight, QuantScheme
 from llmopt.quant.quantizer import METHODS, QuantizeResult, quantize
 
 __all__ = ["quantize", "QuantizeResult", "QuantizedWeight", "QuantScheme", "METHODS"]

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from llmopt.layers.quant_formats import QuantizedWeight
+from llmopt.layers.quant.formats import QuantizedWeight
 from llmopt.quant.rtn import quant_params, quantize_to_grid, search_params
 
 

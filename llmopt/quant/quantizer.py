@@ -13,7 +13,7 @@ zero_point, version="GEMM", duo_scaling and apply_clip (AutoAWQ's defaults: both
 - "fp8": float8 e4m3 weights with per-output-channel scales (no calibration; where FP8
   units multiply, activations are quantized per token at run time);
 - "nf4": QLoRA's 4-bit NormalFloat in blocks of `group_size` (64), `double_quant` (default on)
-  for the absmax constants, written in the bitsandbytes layout (llmopt.layers.nf4_format).
+  for the absmax constants, written in the bitsandbytes layout (llmopt.layers.quant.nf4_format).
 
 `rotation="hadamard"` (any method) first folds the norms into the linears and rotates the
 residual stream and each head's values by Hadamard matrices (llmopt.quant.rotation); the model
@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from llmopt.layers.quant_formats import AWQ_BITS, GPTQ_BITS, QuantizedWeight
+from llmopt.layers.quant.formats import AWQ_BITS, GPTQ_BITS, QuantizedWeight
 from llmopt.quant.rotation import ROTATIONS
 
 METHODS = ("rtn", "gptq", "awq", "fp8", "nf4")
@@ -182,7 +182,7 @@ def quantize(model="tiny", method: str = "gptq", bits: int | None = None, group_
                            true_sequential=True if true_sequential is None else bool(true_sequential),
                            block_size=block_size, mse=float(mse or 0), progress=progress)
     elif method == "nf4":
-        from llmopt.layers.nf4_format import NF4Weight
+        from llmopt.layers.quant.nf4_format import NF4Weight
 
         dq = True if double_quant is None else bool(double_quant)
         weights = {name: NF4Weight.quantize(net.get_submodule(name).weight.data, group_size, dq)
@@ -191,7 +191,7 @@ def quantize(model="tiny", method: str = "gptq", bits: int | None = None, group_
         weights, details = run_awq(net, windows, qcfg, duo_scaling=duo_scaling is not False,
                                    apply_clip=apply_clip is not False, progress=progress)
     else:
-        from llmopt.layers.linear import Fp8Linear
+        from llmopt.fp8.linear import Fp8Linear
 
         fp8_modules = {name: Fp8Linear.from_linear(net.get_submodule(name))
                        for name in _bar(list(net.quantizable_linears()), progress, "fp8")}

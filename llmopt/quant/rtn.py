@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from llmopt.layers.quant_formats import QuantizedWeight
+from llmopt.layers.quant.formats import QuantizedWeight
 
 
 def quant_params(w: torch.Tensor, bits: int, sym: bool, min_zero: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

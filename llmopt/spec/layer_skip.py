@@ -33,7 +33,7 @@ class LayerSkipProposer:
 
     def __init__(self, target, exit_layer: int, device):
         self.target, self.exit_layer, self.device = target, exit_layer, device
-        self.kv_cache = None  # the target's pool, handed over by the first observe()
+        self.kv_cache = None  # the target's pool, handed over by bind()
 
     def lookahead_slots(self, k: int) -> int:
         return k
@@ -41,11 +41,12 @@ class LayerSkipProposer:
     def bytes_per_block(self, block_size: int) -> int:
         return 0  # no pool of its own
 
-    def bind(self, block_manager, num_blocks: int, compiled: bool = False, kernels: bool = True) -> None:
-        self.bm = block_manager
+    def bind(self, num_blocks: int, block_size: int, target_kv_cache, compiled: bool = False,
+             kernels: bool = True) -> None:
+        self.block_size, self.kv_cache = block_size, target_kv_cache
 
-    def observe(self, runner) -> None:
-        self.kv_cache = runner.kv_cache
+    def observe(self, step) -> None:
+        pass
 
     def forget(self, request_id: str) -> None:
         pass
@@ -62,9 +63,9 @@ class LayerSkipProposer:
         return self.target.compute_logits(m.norm(x[last]))
 
     @torch.inference_mode()
-    def propose(self, seqs: list[Sequence], ks: list[int]):
-        bs = self.bm.block_size
-        tables = [self.bm.block_tables[s.request_id] for s in seqs]
+    def propose(self, seqs: list[Sequence], ks: list[int], block_tables: dict[str, list[int]]):
+        bs = self.block_size
+        tables = [block_tables[s.request_id] for s in seqs]
         # the target has cached every token but the newest, which it has not yet seen
         starts = [len(s) - 1 for s in seqs]
         feeds = [[s.token_ids[-1]] for s in seqs]

@@ -42,13 +42,14 @@ class NgramProposer:
     def bytes_per_block(self, block_size: int) -> int:
         return 0
 
-    def bind(self, block_manager, num_blocks: int, compiled: bool = False, kernels: bool = True) -> None:
+    def bind(self, num_blocks: int, block_size: int, target_kv_cache, compiled: bool = False,
+             kernels: bool = True) -> None:
         pass
 
-    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
+    def propose(self, seqs: list[Sequence], ks: list[int], block_tables: dict[str, list[int]]) -> list[Proposal]:
         return [(propose_ngram(s.token_ids, k, self.lo, self.hi), None) for s, k in zip(seqs, ks)]
 
-    def observe(self, runner) -> None:
+    def observe(self, step) -> None:
         pass
 
     def forget(self, request_id: str) -> None:
@@ -76,13 +77,15 @@ class _ModelProposer:
         return PagedKVCache.bytes_per_block(self.num_layers, block_size, c.num_key_value_heads,
                                             c.head_dim, self.dtype)
 
-    def bind(self, block_manager, num_blocks: int, compiled: bool = False, kernels: bool = True) -> None:
-        """Take the target's block tables and a pool of as many blocks; `compiled`: the engine
-        runs its steps compiled, and so may this proposer's layers (enable_compiled); `kernels`:
-        as the target's pool, attention through the kernels (False: enforce_eager, plain torch)."""
+    def bind(self, num_blocks: int, block_size: int, target_kv_cache, compiled: bool = False,
+             kernels: bool = True) -> None:
+        """A pool of as many blocks as the target's (its block tables index both); `compiled`:
+        the engine runs its steps compiled, and so may this proposer's layers (enable_compiled);
+        `kernels`: as the target's pool, attention through the kernels (False: enforce_eager,
+        plain torch)."""
         c = self.cfg
-        self.bm = block_manager
-        self.kv_cache = PagedKVCache(self.num_layers, num_blocks, block_manager.block_size,
+        self.block_size = block_size
+        self.kv_cache = PagedKVCache(self.num_layers, num_blocks, block_size,
                                      c.num_key_value_heads, c.head_dim, self.dtype, self.device, kernels=kernels)
         if compiled:
             self.enable_compiled()
@@ -133,9 +136,10 @@ class _ModelProposer:
         return n
 
     @torch.inference_mode()
-    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
-        bs = self.bm.block_size
-        tables = [self.bm.block_tables[s.request_id] for s in seqs]
+    def propose(self, seqs: list[Sequence], ks: list[int], block_tables: dict[str, list[int]]) -> list[Proposal]:
+        """k drafts (and their q) per sequence, written into the lookahead slots of `block_tables`."""
+        bs = self.block_size
+        tables = [block_tables[s.request_id] for s in seqs]
         starts = [self.valid_prefix(s) for s in seqs]
         feeds = [s.token_ids[v:] for s, v in zip(seqs, starts)]
         drafts: list[list[int]] = [[] for _ in seqs]
@@ -150,7 +154,8 @@ class _ModelProposer:
             self.kv_cache.begin_step(meta)
             positions = meta.positions
             last = torch.cumsum(torch.tensor([len(feeds[i]) for i in active], device=self.device), 0) - 1
-            logits, prev = self.draft_forward(ids, positions, [seqs[i] for i in active], starts, active, prev, last)
+            logits, prev = self.draft_forward(ids, positions, [seqs[i] for i in active], starts, active, prev, last,
+                                              block_tables)
             for row, i in enumerate(active):
                 token, q = self._pick(logits[row], seqs[i])
                 drafts[i].append(token)
@@ -171,7 +176,7 @@ class _ModelProposer:
         q = sampling_probs(logits[None], seq.params)[0]
         return draw_token(q, seq.generator), q
 
-    def observe(self, runner) -> None:
+    def observe(self, step) -> None:
         pass
 
 
@@ -185,7 +190,7 @@ class DraftModelProposer(_ModelProposer):
     def _stack(self):
         return getattr(self.model, "model", None)
 
-    def draft_forward(self, ids, positions, seqs, starts, active, prev, last):
+    def draft_forward(self, ids, positions, seqs, starts, active, prev, last, block_tables):
         """One draft forward over `ids`, the new tokens of `seqs`; returns the logits at rows `last`
         and what the next call takes as `prev`."""
         if self._compiled_runs():
@@ -228,30 +233,29 @@ class EagleProposer(_ModelProposer):
         feature = block_size * self.cfg.hidden_size * torch.empty((), dtype=self.dtype).element_size()
         return super().bytes_per_block(block_size) + feature
 
-    def bind(self, block_manager, num_blocks: int, compiled: bool = False, kernels: bool = True) -> None:
-        super().bind(block_manager, num_blocks, compiled, kernels)
-        self.features = torch.zeros(num_blocks * block_manager.block_size, self.cfg.hidden_size,
+    def bind(self, num_blocks: int, block_size: int, target_kv_cache, compiled: bool = False,
+             kernels: bool = True) -> None:
+        super().bind(num_blocks, block_size, target_kv_cache, compiled, kernels)
+        self.features = torch.zeros(num_blocks * block_size, self.cfg.hidden_size,
                                     dtype=self.dtype, device=self.device)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         super().copy_blocks(pairs)
-        bs = self.bm.block_size
-        rows = self.features.view(-1, bs, self.features.shape[-1])
+        rows = self.features.view(-1, self.block_size, self.features.shape[-1])
         dev = self.features.device
         rows[torch.tensor([d for _, d in pairs], device=dev)] = rows[torch.tensor([s for s, _ in pairs], device=dev)]
 
-    def observe(self, runner) -> None:
-        """After a target forward: keep the features of every token it computed."""
-        self.features[runner.last_meta.slot_mapping] = runner.last_hidden.to(self.dtype)
+    def observe(self, step) -> None:
+        """After a target forward (a StepOutput): keep the features of every token it computed."""
+        self.features[step.slot_mapping] = step.hidden.to(self.dtype)
 
-    def draft_forward(self, ids, positions, seqs, starts, active, prev, last):
+    def draft_forward(self, ids, positions, seqs, starts, active, prev, last, block_tables):
         if prev is None:  # catch-up: true features of positions p-1, from their slots
-            bs = self.bm.block_size
             slots = []
             for s, i in zip(seqs, active):
                 first = starts[i] - 1  # -1 before the first token: no feature (zeros)
-                slots += [-1] * (first < 0) + slots_of(self.bm.block_tables[s.request_id],
-                                                        range(max(first, 0), len(s) - 1), bs)
+                slots += [-1] * (first < 0) + slots_of(block_tables[s.request_id],
+                                                        range(max(first, 0), len(s) - 1), self.block_size)
             slots = torch.tensor(slots, device=self.device)
             prev_features = self.features[slots.clamp_min(0)]
             prev_features[slots < 0] = 0
@@ -291,21 +295,21 @@ class EagleTreeProposer(EagleProposer):
         """The target verifies budget(k) nodes there; the head drafts top_k per depth there first."""
         return max(self.budget(k), self.top_k * (k - 1))
 
-    def observe(self, runner) -> None:
-        super().observe(runner)
-        src, dst = getattr(runner, "last_slot_moves", ([], []))
+    def observe(self, step) -> None:
+        super().observe(step)
+        src, dst = step.slot_moves
         if src:  # the accepted paths' features follow their KV into place
             dev = self.features.device
             self.features[torch.tensor(dst, device=dev)] = self.features[torch.tensor(src, device=dev)]
 
     @torch.inference_mode()
-    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
+    def propose(self, seqs: list[Sequence], ks: list[int], block_tables: dict[str, list[int]]) -> list[Proposal]:
         """Sets each sequence's spec_tree (None where it decodes plainly); the engine then
         sets spec_token_ids to the returned drafts, the tree's tokens in flat order."""
         picked = [i for i, s in enumerate(seqs) if s.grammar is None and s.params.min_tokens <= len(s.output_token_ids)]
         out: list[Proposal] = [([], None)] * len(seqs)
         trees = draft_trees(self, [seqs[i] for i in picked], [ks[i] for i in picked], self.top_k,
-                            [self.budget(ks[i]) for i in picked]) if picked else []
+                            [self.budget(ks[i]) for i in picked], block_tables) if picked else []
         for s in seqs:
             s.spec_tree = None
         for i, tree in zip(picked, trees):

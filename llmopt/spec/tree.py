@@ -6,7 +6,7 @@ drafted; each depth, every drafted node offers its `top_k` children, scored by t
 the head's probabilities along their path, and the `top_k` best are fed to the head again,
 down to `num_speculative_tokens` levels. Of all candidates the `total_tokens` best are kept
 (a child never scores above its parent, so they form a tree) and verified in one target
-forward under a tree mask (llmopt/worker/draft_tree.py, llmopt/layers/tree_sampler.py).
+forward under a tree mask (llmopt/spec/draft_tree.py, llmopt/spec/tree_sampler.py).
 
 The head drafts over the same paged cache, with the same masks: each drafted node attends to
 the committed context plus its own ancestors. Its drafting KV lives in the sequence's
@@ -24,7 +24,7 @@ import torch
 
 from llmopt.layers.attention import AttentionMetadata
 from llmopt.sequence import Sequence
-from llmopt.worker.draft_tree import MASK_KEYS, DraftTree, ancestor_matrix, mask_bits
+from llmopt.spec.draft_tree import MASK_KEYS, DraftTree, ancestor_matrix, mask_bits
 
 
 def check_tree_config(tree, depth: int) -> dict:
@@ -75,11 +75,13 @@ def select_tree(tokens: list[int], parents: list[int], scores: list[float], budg
                      [depth[i] for i in flat])
 
 
-def draft_trees(proposer, seqs: list[Sequence], depths: list[int], top_k: int, budgets: list[int]) -> list[DraftTree]:
+def draft_trees(proposer, seqs: list[Sequence], depths: list[int], top_k: int, budgets: list[int],
+                block_tables: dict[str, list[int]]) -> list[DraftTree]:
     """EAGLE-2's drafting for a batch: one tree per sequence, of depth depths[i] and at most
-    budgets[i] nodes. `proposer` is an EagleProposer (its head, KV pool, features, catch-up)."""
-    bs, dev, K = proposer.bm.block_size, proposer.device, top_k
-    tables = [proposer.bm.block_tables[s.request_id] for s in seqs]
+    budgets[i] nodes, in the lookahead slots of `block_tables`. `proposer` is an EagleProposer
+    (its head, KV pool, features, catch-up)."""
+    bs, dev, K = proposer.block_size, proposer.device, top_k
+    tables = [block_tables[s.request_id] for s in seqs]
     # 1. catch up on the tokens the head has not seen (true features), as the chain does
     starts = [proposer.valid_prefix(s) for s in seqs]
     feeds = [s.token_ids[v:] for s, v in zip(seqs, starts)]
@@ -87,7 +89,8 @@ def draft_trees(proposer, seqs: list[Sequence], depths: list[int], top_k: int, b
     proposer.kv_cache.begin_step(meta)
     last = torch.cumsum(torch.tensor([len(f) for f in feeds], device=dev), 0) - 1
     ids = torch.tensor([t for f in feeds for t in f], device=dev)
-    logits, feats = proposer.draft_forward(ids, meta.positions, seqs, starts, list(range(len(seqs))), None, last)
+    logits, feats = proposer.draft_forward(ids, meta.positions, seqs, starts, list(range(len(seqs))), None, last,
+                                           block_tables)
     for s in seqs:
         proposer.fed[s.request_id] = (s.num_preemptions, list(s.token_ids))
     # candidates per sequence, in creation order: token, parent (-1 root), path log-prob

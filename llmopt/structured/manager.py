@@ -4,8 +4,8 @@ A constrained request waits here, outside the scheduler, until its grammar has c
 worker thread (llmopt/structured/compiler.py): the other requests keep running meanwhile. Once
 ready it joins the scheduler with a matcher of its own. Then, each step:
 
-1. before sampling, the runner asks for the batch bitmask (`bitmask`) and the sampler masks
-   the disallowed tokens to -inf before temperature, top-k and top-p;
+1. before sampling, the engine computes the batch bitmask (`bitmask`) and hands it to the
+   runner, whose sampler masks the disallowed tokens to -inf before temperature, top-k and top-p;
 2. after sampling, every token the engine appends moves the request's matcher (`accept`);
 3. where the grammar then forces a continuation, jump-forward appends it (`jump_forward`),
    and a grammar that can only end finishes the request without spending a step on EOS.
@@ -27,8 +27,9 @@ class GrammarDeadEnd(ValueError):
 
 
 class StructuredOutputManager:
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids, enable_jump_forward: bool = True):
-        self.tokenizer, self.vocab_size = tokenizer, vocab_size
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids, max_model_len: int,
+                 enable_jump_forward: bool = True):
+        self.tokenizer, self.vocab_size, self.max_model_len = tokenizer, vocab_size, max_model_len
         self.stop_token_ids = set(stop_token_ids)
         self.enable_jump_forward = enable_jump_forward
         self._compiler: GrammarCompiler | None = None
@@ -72,10 +73,12 @@ class StructuredOutputManager:
     def remove(self, seq) -> None:
         self.pending = [(s, f) for s, f in self.pending if s is not seq]
 
-    def admit_ready(self, engine, wait: bool) -> list:
-        """Hand the requests whose grammar is ready to the scheduler; fail those whose grammar
-        did not compile. `wait`: nothing else can run, so block briefly for the oldest compile.
-        Returns the failed requests' outputs."""
+    def admit_ready(self, wait: bool) -> list[tuple]:
+        """The waiting requests whose grammar is settled, as (sequence, error): error None, its
+        grammar ready and any forced opening text appended (`jump_forward`; a request that
+        reached max_tokens on it alone is already finished); else why it cannot run (the grammar
+        did not compile, or not in time). The engine schedules, finishes or fails them; the
+        rest keep waiting. `wait`: nothing else can run, so block briefly for the oldest compile."""
         if not self.pending:
             return []
         if wait and not any(f.done() for _, f in self.pending):
@@ -83,32 +86,36 @@ class StructuredOutputManager:
                 self.pending[0][1].exception(timeout=PENDING_WAIT_S)
             except TimeoutError:
                 pass
-        failed, still = [], []
+        settled, still = [], []
         for seq, f in self.pending:
             if not f.done() and time.perf_counter() - seq.metrics.arrival_time > self.compiler.timeout_s:
-                failed.append(engine.fail_request(seq.request_id, ValueError(
+                settled.append((seq, ValueError(
                     f"structured_outputs did not compile within {self.compiler.timeout_s:g} s")))
             elif not f.done():
                 still.append((seq, f))
             elif f.exception() is not None:
-                failed.append(engine.fail_request(seq.request_id, f.exception()))
+                settled.append((seq, f.exception()))
             else:
                 seq.grammar = RequestGrammar(f.result(), self.stop_token_ids, self.vocab_size)
-                self._jump_at_start(seq, engine)
-                if seq.is_finished:  # max_tokens reached by the forced prefix alone
-                    engine.remove_request(seq)
-                    seq.finalize_text(self.tokenizer)
-                    failed.append(seq.to_output())
-                else:
-                    engine.scheduler.add(seq)
+                if self.enable_jump_forward:  # a grammar that opens with forced text: it joins the prefill
+                    self.jump_forward(seq, time.perf_counter())
+                settled.append((seq, None))
         self.pending = still
-        return [out for out in failed if out is not None]
+        return settled
 
     # -- each step ----------------------------------------------------------------------------------
-    def bitmask(self, rows, firsts: list[int], num_rows: int):
-        """The batch bitmask for the runner (see matcher.batch_bitmask), timed for the metrics."""
+    def bitmask(self, rows):
+        """The step's bitmask for the sequences that sample, in the runner's row order
+        (ModelRunner.sampling_rows: each sequence's 1 + drafts logits rows, one after another):
+        (bitmask, the rows it covers), or None when none is constrained (see
+        matcher.batch_bitmask). Timed for the metrics."""
+        if all(seq.grammar is None for seq in rows):
+            return None
         start = time.perf_counter()
-        out = batch_bitmask(rows, firsts, num_rows, self.vocab_size)
+        firsts = [0]
+        for seq in rows:
+            firsts.append(firsts[-1] + 1 + len(seq.spec_token_ids))
+        out = batch_bitmask(rows, firsts[:-1], firsts[-1], self.vocab_size)
         if out is not None:
             self.stats["structured_mask_seconds"] += time.perf_counter() - start
             self.stats["structured_mask_rows"] += len(out[1])
@@ -131,12 +138,14 @@ class StructuredOutputManager:
         seq.finish("error", None)
         return False
 
-    def jump_forward(self, seq, engine, now: float) -> None:
+    def jump_forward(self, seq, now: float) -> int:
         """Append what the grammar forces after the request's newest token (see jump_forward.py),
-        each token checked for stops as a sampled one is; end the request where only EOS remains."""
+        each token checked for stops as a sampled one is; end the request where only EOS remains.
+        Returns how many output tokens that added (a re-encoded last token counts -1 then +1)."""
         g = seq.grammar
         if g is None or seq.is_finished or g.is_terminated:
-            return
+            return 0
+        added = 0
         if self.enable_jump_forward:
             # the newest token's KV is computed in the next step: it may still be re-encoded
             replaceable = (seq.num_computed_tokens == seq.num_tokens - 1 and seq.params.logprobs is None
@@ -146,9 +155,9 @@ class StructuredOutputManager:
             if replaced:
                 seq.output_token_ids.pop()
                 seq.metrics.token_times.pop()
-                engine.stats["generation_tokens"] -= 1
+                added -= 1
                 self.stats["structured_jump_forward_retokenized"] += 1
-            room = engine.max_model_len - len(seq)
+            room = self.max_model_len - len(seq)
             if seq.params.max_tokens is not None:
                 room = min(room, seq.params.max_tokens - len(seq.output_token_ids))
             appended = 0
@@ -157,10 +166,10 @@ class StructuredOutputManager:
                 g.forced_positions.append(len(seq.output_token_ids))
                 seq.append_token(token, now)
                 appended += 1
-                engine.stats["generation_tokens"] += 1
-                seq.check_stop(engine.eos_token_ids, engine.max_model_len, engine.tokenizer)
+                seq.check_stop(self.stop_token_ids, self.max_model_len, self.tokenizer)
                 if seq.is_finished:
                     break
+            added += appended
             self.stats["structured_jump_forward_tokens"] += appended
             # a re-encoded boundary token replaces one that was sampled: that one saved nothing
             self.stats["structured_jump_forward_steps_saved"] += max(0, appended - replaced)
@@ -169,14 +178,10 @@ class StructuredOutputManager:
             eos = eos if eos in self.stop_token_ids else min(self.stop_token_ids)
             g.accept(eos)
             seq.append_token(eos, now)
-            engine.stats["generation_tokens"] += 1
-            seq.check_stop(engine.eos_token_ids, engine.max_model_len, engine.tokenizer)
+            added += 1
+            seq.check_stop(self.stop_token_ids, self.max_model_len, self.tokenizer)
             self.stats["structured_eos_steps_saved"] += 1
-
-    def _jump_at_start(self, seq, engine) -> None:
-        """A grammar that opens with forced text (`{"name": "`): those tokens join the prefill."""
-        if self.enable_jump_forward and not seq.output_token_ids:
-            self.jump_forward(seq, engine, time.perf_counter())
+        return added
 
     def close(self) -> None:
         if self._compiler is not None:

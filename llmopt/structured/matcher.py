@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from llmopt.layers.sampler import unpack_bitmask
+from llmopt.structured.bitmask import unpack_bitmask
 
 
 class RequestGrammar:

@@ -2,7 +2,7 @@
 number's representable neighbours, the error a per-tensor scale gives on real keys and
 values, and which GPUs run FP8 natively.
 
-Numbers come from `llmopt.fp8` (the same casts the engine's FP8 cache and weights use);
+Numbers come from `llmopt.fp8.format` (the same casts the engine's FP8 cache and weights use);
 every figure and widget has a text form built from the same rows.
 """
 
@@ -14,7 +14,7 @@ import ipywidgets as widgets
 import plotly.graph_objects as go
 import torch
 
-from llmopt.fp8 import E4M3, E5M2, dequantize_fp8, fp8_neighbours, fp8_values, quantize_fp8
+from llmopt.fp8.format import E4M3, E5M2, dequantize_fp8, fp8_neighbours, fp8_values, quantize_fp8
 from llmopt.layers.attention import AttentionMetadata
 from llmopt.model.forward import run_model
 from llmopt.viz.notebook import LABEL_STYLE, LessonWidget, format_table, show_outputs
@@ -274,7 +274,7 @@ def native_table() -> str:
 
 def this_machine() -> str:
     """What this machine can do with FP8, in one line."""
-    from llmopt.fp8 import native_fp8_supported
+    from llmopt.fp8.format import native_fp8_supported
 
     if not torch.cuda.is_available():
         return "this machine: CPU only: FP8 is a storage format here; the math is emulated exactly in fp32"

@@ -11,7 +11,7 @@ from __future__ import annotations
 import plotly.graph_objects as go
 import torch
 
-from llmopt.layers.rejection_sampler import rejection_sample
+from llmopt.spec.rejection_sampler import rejection_sample
 from llmopt.viz.notebook import LEGEND_BELOW
 from llmopt.viz.spec import show_token
 

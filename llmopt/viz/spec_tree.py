@@ -4,7 +4,7 @@
 runs, with how many tokens its request had made by then. Under greedy decoding the path
 the target accepts is the one that spells the request's next output tokens, so once
 generation is done `accepted_nodes` finds it from the output alone, exactly as the tree
-sampler walks it (llmopt/layers/tree_sampler.py, `accepted_path` in llmopt/worker/draft_tree.py).
+sampler walks it (llmopt/spec/tree_sampler.py, `accepted_path` in llmopt/spec/draft_tree.py).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from llmopt.sampling_params import SamplingParams
 from llmopt.spec.proposers import EagleTreeProposer
 from llmopt.viz.notebook import LABEL_STYLE, LessonWidget, format_table, show_outputs
 from llmopt.viz.spec import show_token
-from llmopt.worker.draft_tree import DraftTree
+from llmopt.spec.draft_tree import DraftTree
 
 
 @dataclass
@@ -39,8 +39,8 @@ def recording_trees(llm):
     trees: list[DraftedTree] = []
     original = proposer.propose
 
-    def propose(seqs, ks):
-        out = original(seqs, ks)
+    def propose(seqs, ks, block_tables):
+        out = original(seqs, ks, block_tables)
         trees.extend(DraftedTree(s.request_id, len(s.output_token_ids), s.spec_tree)
                      for s in seqs if s.spec_tree is not None)
         return out

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import ipywidgets as widgets
 
-from llmopt.layers.sampler import unpack_bitmask
+from llmopt.structured.bitmask import unpack_bitmask
 from llmopt.sampling_params import SamplingParams
 from llmopt.structured.matcher import RequestGrammar
 from llmopt.structured.params import StructuredOutputsParams

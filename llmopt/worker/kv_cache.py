@@ -31,30 +31,11 @@ from pathlib import Path
 
 import torch
 
-from llmopt.fp8 import FP8_DTYPES, KV_CACHE_FP8_DTYPES, is_fp8, quantize_fp8, scale_from_amax
-from llmopt.layers.attention import AttentionMetadata, contiguous_attention, whole_sequence_attention
+from llmopt.fp8.format import FP8_DTYPES, KV_CACHE_FP8_DTYPES, is_fp8, quantize_fp8, scale_from_amax
+from llmopt.layers.attention import AttentionMetadata, KVCache, contiguous_attention
 from llmopt.layers.paged_attention import PAGED_ATTENTION, pick_paged_attention
 from llmopt.model.forward import run_model
-from llmopt.worker.kv_scales import read_kv_scales
-
-
-class KVCache:
-    """What every cache offers the attention layers: the step's metadata, and `store`."""
-
-    layout = "none"   # how keys are kept: "none", "contiguous", "paged" (or "latent": MLA)
-    metadata: AttentionMetadata
-    rotation: torch.Tensor | None = None   # [D, D] orthogonal: attention hands over k R, v R (PagedKVCache.rotate)
-    # how attention reads what this cache keeps (llmopt.layers.attention): a cache that keeps
-    # nothing holds whole sequences, whose keys are the step's own
-    attend = staticmethod(whole_sequence_attention)
-
-    def begin_step(self, meta: AttentionMetadata) -> None:
-        self.metadata = meta
-
-    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor):
-        """Keep this step's new keys and values [num_tokens, Hkv, D] of `layer`. A cache that keeps
-        nothing may return the (keys, values) attention should read instead (an emulation of a
-        lossy cache does: keys rounded as an FP8 pool would hold them); None: read this step's."""
+from llmopt.fp8.kv_scales import read_kv_scales
 
 
 class NoKVCache(KVCache):

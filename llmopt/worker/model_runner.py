@@ -16,14 +16,17 @@ done by the ranks, and may keep several micro-batches in flight (`submit`, then 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from llmopt.layers.attention import AttentionMetadata, slots_of
-from llmopt.layers.rejection_sampler import rejection_sample
-from llmopt.layers.sampler import apply_token_bitmask, hold_back_stop_tokens, sample, sampling_probs, top_logprobs
-from llmopt.layers.tree_sampler import tree_rejection_sample
+from llmopt.layers.sampler import hold_back_stop_tokens, sample, sampling_probs, top_logprobs
 from llmopt.sequence import Sequence
-from llmopt.worker.draft_tree import accepted_slot_moves, add_tree_layout, move_slots
+from llmopt.spec.draft_tree import accepted_slot_moves, add_tree_layout, move_slots
+from llmopt.spec.rejection_sampler import rejection_sample
+from llmopt.spec.tree_sampler import tree_rejection_sample
+from llmopt.structured.bitmask import apply_token_bitmask
 from llmopt.worker.kv_cache import PagedKVCache
 
 
@@ -47,22 +50,39 @@ class StepBackend:
         return self.model.compute_logits(hidden)
 
 
+@dataclass
+class StepOutput:
+    """What one step gives back. `sampled`: request_id -> [(token, logprob info or None), ...]
+    for every sequence that produced tokens (one, or with speculation the accepted drafts plus
+    one more). The rest is for a proposer that drafts from the target's own work (EAGLE):
+    the step's hidden states, the slot each token's KV went to, and where the accepted paths
+    of draft trees were moved (source slots, destination slots)."""
+
+    sampled: dict[str, list[tuple]]
+    hidden: torch.Tensor | None = None
+    slot_mapping: torch.Tensor | None = None
+    slot_moves: tuple[list[int], list[int]] = ((), ())
+
+
 class ModelRunner:
+    """Runs the steps the engine schedules. Everything a step needs comes with the call: the
+    scheduled sequences, their block tables (request_id -> blocks) and, for structured
+    outputs, the grammars' bitmask over the rows that sample (the engine's
+    StructuredOutputManager.bitmask); nothing is read back from the engine."""
+
     max_in_flight = 1  # steps that may be submitted before the first is collected
-    structured = None  # the engine's StructuredOutputManager: the grammars' bitmask before sampling
     # The two pieces lessons 02 and 05 let a learner replace (llmopt.exercises): each token's
     # cache slot, and the speculative verifier.
     slots_of = staticmethod(slots_of)
     rejection_sampler = staticmethod(rejection_sample)
 
-    def __init__(self, model, kv_cache: PagedKVCache, block_manager, device,
+    def __init__(self, model, kv_cache: PagedKVCache, block_size: int, device,
                  eos_token_ids: set[int] = frozenset()):
-        """block_manager: whatever keeps the block tables (`block_tables`, `block_size`)."""
-        self.model, self.kv_cache, self.bm, self.device = model, kv_cache, block_manager, device
+        self.model, self.kv_cache, self.block_size, self.device = model, kv_cache, block_size, device
         self.eos_token_ids = eos_token_ids  # held back until min_tokens, with stop_token_ids
         self.backend = StepBackend(model, kv_cache)  # the engine sets the one it chose (choose_step_backend)
 
-    def step_inputs(self, scheduled: list[tuple[Sequence, int]]):
+    def step_inputs(self, scheduled: list[tuple[Sequence, int]], block_tables: dict[str, list[int]]):
         """The step as plain lists: new token ids (flat), each sequence's start position,
         new-token count and block table."""
         ids, starts, lens, tables = [], [], [], []
@@ -71,34 +91,32 @@ class ModelRunner:
             ids += (seq.token_ids + seq.spec_token_ids)[start:start + n]
             starts.append(start)
             lens.append(n)
-            tables.append(self.bm.block_tables[seq.request_id])
+            tables.append(block_tables[seq.request_id])
         return ids, starts, lens, tables
 
-    def prepare(self, scheduled: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, AttentionMetadata]:
+    def prepare(self, scheduled: list[tuple[Sequence, int]],
+                block_tables: dict[str, list[int]]) -> tuple[torch.Tensor, AttentionMetadata]:
         """The step's flat token ids and its attention metadata, built once."""
-        ids, starts, lens, tables = self.step_inputs(scheduled)
-        meta = AttentionMetadata.paged(tables, starts, lens, self.bm.block_size, self.device, self.slots_of)
+        ids, starts, lens, tables = self.step_inputs(scheduled, block_tables)
+        meta = AttentionMetadata.paged(tables, starts, lens, self.block_size, self.device, self.slots_of)
         trees = [seq.spec_tree for seq, _ in scheduled]
         if any(tree is not None for tree in trees):  # draft trees: their positions and masks
             add_tree_layout(meta, trees)
         return torch.tensor(ids, device=self.device), meta
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[tuple[Sequence, int]]) -> dict[str, list[tuple]]:
-        """Run one step. Returns request_id -> [(token, logprob info or None), ...] for every
-        sequence that produced tokens: one token, or with speculation the accepted drafts
-        plus one more."""
-        input_ids, meta = self.prepare(scheduled)
-        self.last_meta = meta
+    def execute(self, scheduled: list[tuple[Sequence, int]], block_tables: dict[str, list[int]],
+                grammar_bitmask=None) -> StepOutput:
+        """Run one step (see StepOutput)."""
+        input_ids, meta = self.prepare(scheduled, block_tables)
         hidden = self.backend.forward(input_ids, meta)
-        self.last_hidden = hidden  # an EAGLE head drafts from the target's features
+        out = StepOutput({}, hidden, meta.slot_mapping, ([], []))
         rows, index = self.sampling_rows(scheduled)
-        self.last_slot_moves = ([], [])  # draft trees: where the accepted paths' KV moved
-        if not rows:
-            return {}
-        out = self.sample(rows, self.backend.compute_logits(hidden[torch.tensor(index, device=hidden.device)]))
-        if self.last_slot_moves[0]:
-            move_slots(self.kv_cache, *self.last_slot_moves)
+        if rows:
+            logits = self.backend.compute_logits(hidden[torch.tensor(index, device=hidden.device)])
+            out.sampled = self.sample(rows, logits, grammar_bitmask, block_tables, out.slot_moves)
+        if out.slot_moves[0]:
+            move_slots(self.kv_cache, *out.slot_moves)
         return out
 
     @staticmethod
@@ -115,9 +133,14 @@ class ModelRunner:
                 index += range(end - 1 - k, end)
         return rows, index
 
-    def sample(self, rows: list[Sequence], logits: torch.Tensor) -> dict[str, list[tuple]]:
-        """Tokens (and logprobs) for every sampling row, from its logits."""
+    def sample(self, rows: list[Sequence], logits: torch.Tensor, grammar_bitmask=None,
+               block_tables: dict[str, list[int]] | None = None,
+               slot_moves: tuple[list[int], list[int]] | None = None) -> dict[str, list[tuple]]:
+        """Tokens (and logprobs) for every sampling row, from its logits. `grammar_bitmask`:
+        (bitmask, the logits rows it covers) for structured outputs, or None; a draft tree's
+        accepted path is looked up in `block_tables` and its KV moves added to `slot_moves`."""
         out, at = {}, 0
+        slot_moves = ([], []) if slot_moves is None else slot_moves
         plain = [i for i, s in enumerate(rows) if not s.spec_token_ids]
         firsts = []
         for seq in rows:
@@ -128,10 +151,8 @@ class ModelRunner:
         if any(s.params.min_tokens > len(s.output_token_ids) for s in rows):
             allowed = hold_back_stop_tokens(logits, [(f, 1 + len(s.spec_token_ids), s.params, len(s.output_token_ids))
                                                      for f, s in zip(firsts, rows)], self.eos_token_ids)
-        if self.structured is not None and any(s.grammar is not None for s in rows):
-            masks = self.structured.bitmask(rows, firsts, at)
-            if masks is not None:  # structured outputs: only what each grammar allows next
-                allowed = apply_token_bitmask(allowed, *masks)
+        if grammar_bitmask is not None:  # structured outputs: only what each grammar allows next
+            allowed = apply_token_bitmask(allowed, *grammar_bitmask)
         tokens = {}
         if plain:
             picked = sample(allowed[[firsts[i] for i in plain]], [rows[i].params for i in plain],
@@ -140,7 +161,8 @@ class ModelRunner:
         emit_rows = {}  # a tree's emitted tokens come from the rows of its accepted path
         for i, seq in enumerate(rows):
             if seq.spec_tree is not None:
-                tokens[i], emit_rows[i] = self._verify_tree(seq, allowed[firsts[i]:firsts[i] + 1 + len(seq.spec_tree)])
+                tokens[i], emit_rows[i] = self._verify_tree(seq, allowed[firsts[i]:firsts[i] + 1 + len(seq.spec_tree)],
+                                                            block_tables[seq.request_id], slot_moves)
             elif seq.spec_token_ids:
                 tokens[i] = self._verify(seq, allowed[firsts[i]:firsts[i] + 1 + len(seq.spec_token_ids)])
         for i, seq in enumerate(rows):
@@ -166,14 +188,14 @@ class ModelRunner:
         return self.rejection_sampler(probs, seq.spec_draft_probs, drafts, seq.generator,
                                       greedy=seq.params.greedy)
 
-    def _verify_tree(self, seq: Sequence, logits: torch.Tensor) -> tuple[list[int], list[int]]:
-        """A draft tree's check (llmopt/layers/tree_sampler.py): the emitted tokens and the rows
-        they were drawn from; the accepted path's KV is queued to move into place."""
+    def _verify_tree(self, seq: Sequence, logits: torch.Tensor, table: list[int],
+                     slot_moves: tuple[list[int], list[int]]) -> tuple[list[int], list[int]]:
+        """A draft tree's check (llmopt/spec/tree_sampler.py): the emitted tokens and the rows
+        they were drawn from; the accepted path's KV is queued in `slot_moves` to move into place."""
         tree = seq.spec_tree
         emitted, path = tree_rejection_sample(sampling_probs(logits, seq.params), tree.tokens, tree.parents,
                                               seq.generator, greedy=seq.params.greedy)
-        src, dst = accepted_slot_moves(self.bm.block_tables[seq.request_id], seq.num_tokens, path,
-                                       self.bm.block_size)
-        self.last_slot_moves[0].extend(src)
-        self.last_slot_moves[1].extend(dst)
+        src, dst = accepted_slot_moves(table, seq.num_tokens, path, self.block_size)
+        slot_moves[0].extend(src)
+        slot_moves[1].extend(dst)
         return emitted, [0] + [1 + node for node in path]

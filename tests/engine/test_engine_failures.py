@@ -89,11 +89,11 @@ def test_interrupted_generate_leaves_nothing_behind(tiny_llm, monkeypatch):
     runner = tiny_llm.llm_engine.runner
     real, calls = runner.execute, []
 
-    def execute(scheduled):
+    def execute(*step):
         calls.append(1)
         if len(calls) == 3:
             raise KeyboardInterrupt
-        return real(scheduled)
+        return real(*step)
 
     monkeypatch.setattr(runner, "execute", execute)
     with pytest.raises(KeyboardInterrupt):
@@ -106,7 +106,7 @@ def test_a_failing_proposer_costs_only_the_drafts(tiny_llm, monkeypatch):
     llm = LLM(model="tiny", speculative_config={"method": "ngram", "num_speculative_tokens": 3})
     refs = tiny_llm.generate(PROMPTS, GREEDY, use_tqdm=False)
 
-    def propose(seqs, ks):
+    def propose(seqs, ks, block_tables):
         raise Injected("the proposer failed")
 
     monkeypatch.setattr(llm.llm_engine.proposer, "propose", propose)

@@ -1,4 +1,4 @@
-"""torch's CPU weight-only int8 / int4 kernels (llmopt.layers.cpu_int) against the dense path.
+"""torch's CPU weight-only int8 / int4 kernels (llmopt.layers.quant.cpu_int) against the dense path.
 
 The reference is the dense copy: the same integers and scales dequantized to a float weight
 and multiplied by F.linear in fp32. The kernels run bf16 activations, so they agree with it
@@ -10,10 +10,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from llmopt.layers import cpu_int
-from llmopt.layers.cpu_int import Int4Weight, Int8Weight
-from llmopt.layers.linear import AWQLinear, GPTQLinear, Int8Linear, KernelLinear
-from llmopt.layers.quant_formats import to_awq, to_gptq
+from llmopt.layers.quant import cpu_int
+from llmopt.layers.quant.cpu_int import Int4Weight, Int8Weight
+from llmopt.layers.quant.linear import AWQLinear, GPTQLinear, Int8Linear
+from llmopt.layers.quant.formats import to_awq, to_gptq
 from llmopt.quant.rtn import rtn_quantize
 
 
@@ -111,16 +111,6 @@ def test_act_order_and_odd_shapes_fall_back_to_the_dense_copy():
     odd = layer("awq", n=40, k=256, group=64)        # 40 output channels: not a multiple of 16
     assert odd.to_kernel_weight(torch.bfloat16) is None
     assert odd(x).shape == (1, 40)
-
-
-def test_kernel_linear_runs_only_its_dtype_through_the_kernel():
-    q = torch.randint(0, 16, (64, 128))
-    w = Int4Weight(q, torch.full((4, 64), 0.01), torch.zeros(4, 64), torch.bfloat16)
-    m = KernelLinear(w)
-    x = torch.randn(1, 128)
-    assert torch.allclose(m(x), x @ w.dequantize().t(), atol=1e-5)          # fp32: dense copy
-    close_to_fp32(m(x.bfloat16()), x.bfloat16(), w.dequantize())            # bf16: the kernel
-    assert m.weight_bytes() == 64 * 64 + 4 * 64 * 2 * 2
 
 
 def test_int8_model_in_bf16_generates_like_its_dense_copy():

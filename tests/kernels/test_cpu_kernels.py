@@ -27,7 +27,7 @@ from llmopt.kernels.cpu.gguf_blocks import GGUFBlockWeight, quantize_activations
 from llmopt.kernels.cpu.paged_attention import paged_attention_cpu
 from llmopt.worker.kv_cache import write_kv
 from llmopt.kernels.paged_attention_ref import paged_attention_ref
-from llmopt.worker.draft_tree import tree_bits, tree_mask
+from llmopt.spec.draft_tree import tree_bits, tree_mask
 
 needs_kernels = pytest.mark.skipif(not cpu.available(), reason=f"no C++ CPU kernels: {cpu.why_unavailable()}")
 TOL = {torch.float32: 2e-5, torch.bfloat16: 1.6e-2}
@@ -329,7 +329,7 @@ def greedy_tokens(path, **kw):
 @needs_kernels
 @pytest.mark.parametrize("kind", GGUF_TYPES)
 def test_engine_through_the_block_kernels_equals_dequantized_weights(gguf_files, kind):
-    from llmopt.layers.gguf_linear import GGUFLinear
+    from llmopt.layers.quant.gguf_linear import GGUFLinear
 
     _, dense = greedy_tokens(gguf_files[kind])
     llm, kept = greedy_tokens(gguf_files[kind], quantization="gguf")

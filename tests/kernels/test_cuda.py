@@ -89,7 +89,7 @@ def test_fp8_kv_cache_triton_path_equals_its_torch_path():
 
 def test_w4a16_engine_on_cuda_equals_the_cpu_dense_path(tmp_path, cpu_tokens):
     """The same 4-bit checkpoint: the Triton W4A16 kernel on CUDA, its dense dequantized copy on the CPU."""
-    from llmopt.layers.linear import GPTQLinear
+    from llmopt.layers.quant.linear import GPTQLinear
     from llmopt.quant import quantize
 
     out = tmp_path / "tiny-rtn"
@@ -101,8 +101,8 @@ def test_w4a16_engine_on_cuda_equals_the_cpu_dense_path(tmp_path, cpu_tokens):
 
 
 def test_fp8_weights_on_cuda_run_the_native_matmul():
-    from llmopt.fp8 import native_fp8_supported
-    from llmopt.layers.linear import Fp8Linear
+    from llmopt.fp8.format import native_fp8_supported
+    from llmopt.fp8.linear import Fp8Linear
 
     if not native_fp8_supported("cuda"):
         pytest.skip("native FP8 matmuls need compute capability >= 8.9")

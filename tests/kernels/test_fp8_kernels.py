@@ -12,7 +12,7 @@ import torch
 from test_paged_attention_kernels import (DECODE_SEQ_LENS, DEVICE, MIXED_QUERY_LENS, MIXED_SEQ_LENS,
                                           make_batch, needs_triton)
 
-from llmopt.fp8 import dequantize_fp8, per_tensor_scale, quantize_fp8
+from llmopt.fp8.format import dequantize_fp8, per_tensor_scale, quantize_fp8
 from llmopt.kernels import paged_attention as pa
 from llmopt.worker.kv_cache import write_kv  # the pool's write, as the engine does it before attention
 
@@ -64,7 +64,7 @@ def test_write_kv_stores_clamped_scaled_fp8_bytes(fp8):
     slots = torch.tensor([3, 17, 40, 41, 8])
     write_kv(k, v, k_cache, v_cache, slots, k_scale=0.25, v_scale=2.0 ** -7)
     flat_k, flat_v = k_cache.view(-1, 2, 16), v_cache.view(-1, 2, 16)
-    # byte for byte what llmopt.fp8 computes, and nothing written elsewhere
+    # byte for byte what llmopt.fp8.format computes, and nothing written elsewhere
     assert torch.equal(flat_k[slots].view(torch.uint8), quantize_fp8(k, 0.25, fp8).view(torch.uint8))
     assert torch.equal(flat_v[slots].view(torch.uint8), quantize_fp8(v, 2.0 ** -7, fp8).view(torch.uint8))
     others = torch.ones(flat_k.shape[0], dtype=torch.bool)

@@ -184,7 +184,7 @@ def test_prefill_with_several_query_tiles():
 def test_draft_tree_masks(block_size):
     """EAGLE-2 verification: two trees (each a root and its nodes, every node seeing the
     context and its own ancestors) beside a causal chunk and a decode, through the dispatcher."""
-    from llmopt.worker.draft_tree import tree_bits
+    from llmopt.spec.draft_tree import tree_bits
 
     trees = [[-1, -1, 0, 0, 1, 2, 5, 5, 3], [-1, 0, 1, -1, 3, 2]]
     b, _, _ = make_batch([30, 20, 9, 41], [10, 7, 1, 7], group=2, block_size=block_size)

@@ -118,7 +118,7 @@ def test_quantized_files_generate_and_tokenize_like_the_source(written):
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0"])
 def test_gguf_blocks_kept_quantized_match_the_dense_load(written, qtype):
-    from llmopt.layers.gguf_linear import GGUFLinear
+    from llmopt.layers.quant.gguf_linear import GGUFLinear
     from llmopt.model.loader import load_model
 
     path = written[qtype].path

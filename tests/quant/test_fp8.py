@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from llmopt.fp8 import (E4M3, E5M2, FP8_E4M3_MAX, FP8_E5M2_MAX, dequantize_fp8, fp8_format,
+from llmopt.fp8.format import (E4M3, E5M2, FP8_E4M3_MAX, FP8_E5M2_MAX, dequantize_fp8, fp8_format,
                         fp8_neighbours, fp8_values, min_scale, native_fp8_supported,
                         per_channel_scale, per_tensor_scale, per_token_scale, quantize_fp8,
                         quantize_fp8_per_channel, quantize_fp8_per_tensor, quantize_fp8_per_token,

@@ -12,8 +12,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from llmopt import LLM, SamplingParams, model_path
-from llmopt.fp8 import dequantize_fp8, native_fp8_supported, quantize_fp8, quantize_fp8_per_token
-from llmopt.layers.linear import Fp8Linear, Int8Linear
+from llmopt.fp8.format import dequantize_fp8, native_fp8_supported, quantize_fp8, quantize_fp8_per_token
+from llmopt.fp8.linear import Fp8Linear
+from llmopt.layers.quant.linear import Int8Linear
 from llmopt.model.loader import load_model
 from llmopt.quant import quantize
 

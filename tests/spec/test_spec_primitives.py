@@ -6,7 +6,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from llmopt.layers.rejection_sampler import rejection_sample
+from llmopt.spec.rejection_sampler import rejection_sample
 from llmopt.spec.ngram import propose_ngram
 
 V = 12

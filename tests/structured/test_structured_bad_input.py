@@ -13,7 +13,8 @@ import torch
 from scipy.stats import chisquare
 
 from llmopt import SamplingParams, StructuredOutputsParams
-from llmopt.layers.sampler import apply_token_bitmask, sample
+from llmopt.layers.sampler import sample
+from llmopt.structured.bitmask import apply_token_bitmask
 
 
 def deep_schema(levels):

@@ -4,7 +4,7 @@ agree with the format definitions, and every widget builds and has its text form
 import pytest
 import torch
 
-from llmopt.fp8 import E4M3, E5M2, dequantize_fp8, quantize_fp8
+from llmopt.fp8.format import E4M3, E5M2, dequantize_fp8, quantize_fp8
 from llmopt.viz import fp8 as v
 
 

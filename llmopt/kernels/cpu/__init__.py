@@ -3,9 +3,10 @@
 The sources beside this file are built once with `torch.utils.cpp_extension.load`, for the
 host's own vector instructions (-O3 -march=native), into ~/.cache/llmopt/cpu_kernels/<hash>,
 the hash covering the sources, the flags, and the torch and Python versions: a later process
-imports the built library directly: 2 ms once torch is loaded. The first build took 63 s
-on this course's 2-core machine (54-94 s as other jobs shared it). Without a working C++ compiler (or with LLMOPT_CPU_KERNELS=0)
-`available()` is False, one notice says so, and callers take their plain torch paths.
+imports the built library directly, at a negligible cost once torch is loaded, while the first
+build is a long wait (measured: benchmarks/README.md, "Measurements behind the code's choices").
+Without a working C++ compiler (or with LLMOPT_CPU_KERNELS=0) `available()` is False, one notice
+says so, and callers take their plain torch paths.
 
 What is here: `gguf_matmul` (GGUF Q8_0 / Q4_0 / Q4_1 blocks times activations),
 `paged_attention` (attention reading the paged KV pool in place), and `decode_layers` (a
@@ -101,9 +102,9 @@ def _build(name: str, folder: Path):
 def load(notice: Callable[[str], None] | None = None):
     """The compiled module (built first if needed), or None where it cannot be built.
 
-    `notice` (e.g. `print`) is told when a build starts and when it is done: the first build
-    takes about a minute, which a learner should not mistake for a hung cell. A process that finds
-    the kernels built says nothing, so a warm cache prints nothing."""
+    `notice` (e.g. `print`) is told when a build starts and when it is done: the first build is
+    long (see the module's docstring), which a learner should not mistake for a hung cell. A
+    process that finds the kernels built says nothing, so a warm cache prints nothing."""
     global _module, _failed
     if _module is not None or _failed is not None:
         return _module

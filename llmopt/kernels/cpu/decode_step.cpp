@@ -32,7 +32,7 @@ namespace {
 // (dense_panels.cpp, any number of rows) or w [N, K], multiplied by dense_matmul.cpp's kernel
 // for up to dense_rows rows of x and by torch's matmul above that; else the GGUF block type
 // (2, 3, 8) of blocks (qs, d, mn), multiplied with int8 (llama.cpp's) or float activations for
-// up to max_rows rows of x, and by their dense copy w above that (as llmopt.layers.gguf_linear does).
+// up to max_rows rows of x, and by their dense copy w above that (as llmopt.layers.quant.gguf_linear does).
 struct Linear {
   int64_t kind;
   at::Tensor w, qs, d, mn, bias;

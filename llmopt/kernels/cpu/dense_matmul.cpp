@@ -3,10 +3,11 @@
 // Why not torch's matmul: at one to a few rows a matmul is a matrix-vector product, and all it
 // must do is read W once at the memory's speed. torch hands bfloat16 at M = 1 to a general GEMM
 // that repacks and blocks for reuse that one row cannot have: on SmolLM2 a bf16 decode step spent
-// 84% of its time in aten::mm and read its weights at a third of the machine's bandwidth
-// (benchmarks/results/roofline.md). Here each thread streams its share of W's rows front to back,
-// once, and multiplies every row of x against each weight row while it is in registers, the
-// dot products accumulated in float32 (as torch accumulates bf16 products).
+// most of its time in aten::mm and read its weights far below the machine's bandwidth
+// (benchmarks/results/roofline.md; measured: benchmarks/README.md, "Measurements behind the code's
+// choices"). Here each thread streams its share of W's rows front to back, once, and multiplies
+// every row of x against each weight row while it is in registers, the dot products accumulated
+// in float32 (as torch accumulates bf16 products).
 //
 // The arithmetic, by what the CPU has: with AVX512_BF16, `vdpbf16ps` multiplies 32 bf16 pairs
 // into 16 float32 sums in one instruction (x must be bf16 too); else bf16 weights are widened to
@@ -34,9 +35,10 @@ constexpr int MT = 4;
 #endif
 
 // Each line of W is asked for this many bytes before it is used. A weight row is a few hundred
-// bytes, too short for the hardware prefetcher to ramp up on before the thread moves on: SmolLM2's
-// bf16 weights streamed through this kernel at 19 GB/s without it, 21 with 1 KB, 25 with 16 KB
-// and 24 with 32 or 64 KB, where summing a 512 MB buffer ran at 23-30 (Intel Xeon, 2 threads).
+// bytes, too short for the hardware prefetcher to ramp up on before the thread moves on. 16 KB
+// ahead streamed SmolLM2's bf16 weights fastest of the distances tried, at about the rate a plain
+// sum over a large buffer reaches, and clearly faster than no prefetch.
+// (measured: benchmarks/README.md, "Measurements behind the code's choices")
 #ifndef LLMOPT_PREFETCH_BYTES
 #define LLMOPT_PREFETCH_BYTES 16384
 #endif
@@ -138,12 +140,11 @@ void row_dot(const W* w, const typename A::X* x, int64_t K, float* out) {
 // Weight rows n..n1, one at a time, against x rows m0..m0+mt. y is written in x's dtype (a bf16
 // result rounded to nearest even, as .to(bfloat16) rounds), so no second pass converts it.
 //
-// One weight row at a time, measured on SmolLM2's bf16 weights on an AVX-512 EPYC (2 threads,
-// interleaved runs): the 30 layers' products took 8.2-9.8 ms at one row of x against 14.7-15.2
-// with 4 weight rows a tile, and 9.8-13.6 against 12.6-20.1 at 2 to 8 rows of x; float32 the same
-// or better. One row is one sequential stream for the prefetchers; 4 rows are 4 streams a row
-// apart. (4 rows were chosen earlier on a Xeon, where one chain left the memory idle; not
-// re-measured there.)
+// One weight row at a time: on SmolLM2's bf16 weights faster than 4 weight rows a tile at one to
+// 8 rows of x, float32 the same or better (measured: benchmarks/README.md, "Measurements behind
+// the code's choices"). One row is one sequential stream for the prefetchers; 4 rows are 4
+// streams a row apart. (4 rows were chosen earlier on a Xeon, where one chain left the memory
+// idle; not re-measured there.)
 template <class A, typename W, int mt, typename Y>
 void rows(const W* w, const typename A::X* x, int64_t K, int64_t N, int64_t n, int64_t n1, int64_t m0, Y* y) {
   float out[mt];

@@ -3,9 +3,11 @@
 // Why panels: dense_matmul.cpp's row kernel takes one weight row at a time and dots it with each
 // row of x, so every (weight row, x row) pair ends in a horizontal sum of 16 lanes, and every
 // weight vector is matched with a fresh load of x. At one row of x that is free (memory is the
-// limit); at 8 rows SmolLM2's bf16 linears took 19.2 ms a step against 12.0 at one, and above 8
-// rows torch's bf16 GEMM (no AMX here) was slower still: a batch of 16 stepped in 4.7x the time
-// of a batch of 1 (benchmarks/results/roofline.md), where the weights, read once, say ~1x.
+// limit); at 8 rows it is not, SmolLM2's bf16 linears taking far longer a step than at one, and
+// above 8 rows torch's bf16 GEMM (no AMX on that machine) was slower still, a batch of 16 stepping
+// several times as long as a batch of 1 where the weights, read once, say about as long
+// (benchmarks/results/roofline.md; measured: benchmarks/README.md, "Measurements behind the code's
+// choices").
 //
 // Here W is stored as llama.cpp repacks its weights for the CPU: a panel is 32 consecutive rows,
 // laid out pair of columns by pair of columns, [N / 32, K / 2, 2, 16, 2]: for each pair of input
@@ -17,7 +19,8 @@
 // tile. A panel is one sequential stream, front to back, for the prefetchers.
 // (The pairs are what AVX512_BF16's `vdpbf16ps` multiplies in one instruction, twice the products
 // of an FMA. This course's Xeon executes it though its CPUID hides it; a tile on it, x kept in bf16,
-// took SmolLM2's linears at 8 rows of x 14.3-15.1 ms against 12.9-13.9 here: not built.)
+// was slower on SmolLM2's linears at 8 rows of x than the FMA tile here (measured:
+// benchmarks/README.md): not built.)
 //
 // Tile: R rows of x x the panel's 32 rows, 2 R float32 accumulators. R up to 8 keeps 16
 // accumulators, the 4 widened weight vectors and the broadcasts in the 32 registers; more rows
@@ -47,9 +50,10 @@ bool dense_panels_supported() {
 namespace {
 
 constexpr int MR = 8;
-// Each step asks for the panel's bytes 4 KB ahead. SmolLM2's bf16 linears and head, 2 threads:
-// 12.9-14.4 ms at one row of x and 20-21 at eight without; 10.6 and 13.3-14.1 with 4 KB; 2 KB and
-// 8-16 KB in between (the row kernel's 16 KB suits its one-row streams, not these).
+// Each step asks for the panel's bytes 4 KB ahead: on SmolLM2's bf16 linears and head the fastest
+// distance tried, at one row of x and at eight, and well ahead of no prefetch (the row kernel's
+// 16 KB suits its one-row streams, not these).
+// (measured: benchmarks/README.md, "Measurements behind the code's choices")
 #ifndef LLMOPT_PANEL_PREFETCH
 #define LLMOPT_PANEL_PREFETCH 4096
 #endif

@@ -15,7 +15,7 @@
 // Threads split the output rows (at::parallel_for). Up to 4 rows of x share one decoding
 // of a weight block, and a weight row (a few hundred bytes) stays in L1 while further
 // tiles of x run over it; past a few dozen rows a dense fp32 matmul wins on AVX2, not against
-// VNNI (llmopt/layers/gguf_linear.py decides).
+// VNNI (llmopt/layers/quant/gguf_linear.py decides).
 #include <ATen/Parallel.h>
 #include <ATen/record_function.h>
 #include <ATen/core/Tensor.h>
@@ -31,10 +31,10 @@
 
 namespace llmopt {
 
-// Decode takes 4 weight rows at a time only while the weight stays in cache (measured on
-// SmolLM2: 3072 x 576 Q8_0 at 1 row of x, 118 vs 195 us on one thread). A weight streamed from
-// memory runs slower that way (the 49152 x 576 head: 4.2 vs 2.3 ms), its four interleaved
-// streams defeating the prefetcher, so from this size on rows go one at a time.
+// Decode takes 4 weight rows at a time only while the weight stays in cache, where it is faster
+// (SmolLM2's 3072 x 576 Q8_0 at 1 row of x). A weight streamed from memory runs slower that way
+// (the 49152 x 576 head), its four interleaved streams defeating the prefetcher, so from this size
+// on rows go one at a time. (measured: benchmarks/README.md, "Measurements behind the code's choices")
 constexpr int64_t MULTI_ROW_MAX_BYTES = 8 << 20;
 
 // Every call quantizes its x before the threads split the rows, so at one row of x this serial
@@ -97,9 +97,8 @@ static void vnni_rows(const uint8_t* wq, const uint16_t* wd, const uint16_t* wm,
 }
 
 // All M rows of x in passes of 4 (R x MT accumulators: 1 x 1 for one row, 2 x MT for more).
-// One row of x takes one weight row at a time: measured on SmolLM2's Q4_1 layers and Q8_0 head on
-// an AVX-512 EPYC (2 threads, interleaved runs), the 30 layers' matmuls took 3.1-4.2 ms that way
-// against 4.2-5.9 with 4 rows a tile, and the head 1.0-1.3 ms against 1.9-2.2 (8 rows: as 4).
+// One row of x takes one weight row at a time: faster than 4 (or 8) rows a tile on SmolLM2's Q4_1
+// layers and Q8_0 head (measured: benchmarks/README.md, "Measurements behind the code's choices").
 // Likely why, as on the AVX2 path above: one row is one sequential stream for the prefetchers,
 // four rows are four streams a row apart. (4 rows were chosen earlier on a Xeon, not re-measured.)
 template <int64_t TYPE>

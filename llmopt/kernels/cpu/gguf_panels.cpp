@@ -34,7 +34,7 @@ namespace {
 
 constexpr int MR = 4;  // rows of x per tile
 constexpr int NV = 2;  // panels per tile: 4 x 2 int32 and fp32 accumulators, 16 of the 32 vector registers
-                      // (6 rows of x measured slower: 200-250 against 250-265 GMAC/s, spilled)
+                      // (6 rows of x measured slower, spilled: benchmarks/README.md)
 
 template <int64_t TYPE, int R>
 void tiles(const uint8_t* w, const uint16_t* wd, const uint16_t* wm, const panels::XBlocks& x, int64_t m0,
@@ -69,9 +69,9 @@ void run(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, const a
     for (int64_t pp = p0; pp < p1; pp += 2 * NV) {    // a few panels at a time meet all of x
       const int64_t pe = std::min(p1, pp + 2 * NV);
       // The next group's same block is fetched into L2 meanwhile, so that the first row tile's reads
-      // from memory overlap the other tiles' arithmetic: SmolLM2's 30 layers at 16 rows of x, 16.0
-      // -> 9.8 ms (Q8_0), 12.3 -> 8.7 (Q4_1); at 1 row, where there is no arithmetic to hide behind,
-      // within the noise.
+      // from memory overlap the other tiles' arithmetic: a clear gain on SmolLM2's layers at 16 rows
+      // of x, in Q8_0 and Q4_1; at 1 row, where there is no arithmetic to hide behind, within the
+      // noise (measured: benchmarks/README.md, "Measurements behind the code's choices").
       const int64_t ahead = pe < p1 ? 2 * NV * nb * 16 * BYTES : 0;
       int64_t m0 = 0;
       for (; m0 + MR <= M; m0 += MR) tiles<TYPE, MR>(wq, wd, wm, xb, m0, pp, pe, y, N, ahead);

@@ -9,7 +9,7 @@
 // Only keys a query may see are read (position <= its own, inside the window), so nothing a
 // slot held before its token was written (another request's NaN) can reach an output.
 //
-// A draft tree (llmopt/worker/draft_tree.py) is verified in the same call: `tree_bits` holds, per
+// A draft tree (llmopt/spec/draft_tree.py) is verified in the same call: `tree_bits` holds, per
 // query row, which of its sequence's last 64 keys it may see (bit j: the key at seq_len - 64 + j;
 // -1: all, i.e. a plain causal row; keys before those 64 are always seen), so a node sees the
 // context and its own ancestors only. Rows with a mask take the general loop over the blocks that
@@ -34,8 +34,8 @@ namespace llmopt {
 constexpr int64_t QUERY_TILE = 16;   // new tokens per item: keeps a prompt's rows in L1/L2
 constexpr int64_t MIN_SLICE = 128;   // keys per slice, at least: below this merging costs more
 // Below this much work (query tokens x keys, summed over the items) one thread does it all: waking
-// the others costs more than they save. SmolLM2's shape, one sequence (3 items), 1 against 2
-// threads: 5.9 against 9.5 us at 16 keys, 10.6 against 12.5 at 72, even at 150, 2 ahead at 600.
+// the others costs more than they save (measured on SmolLM2's shape, one sequence of 3 items, 1
+// against 2 threads: benchmarks/README.md, "Measurements behind the code's choices").
 constexpr int64_t SERIAL_MAX_COST = 512;
 constexpr int64_t TREE_KEYS = 64;    // a tree row's mask covers its sequence's last 64 keys
 

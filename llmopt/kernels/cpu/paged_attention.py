@@ -38,7 +38,7 @@ def paged_attention_cpu(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Ten
     the keys at positions <= their own, and > their own minus `window` when one is given.
     Softmax and sums run in fp32. Slots no query may see are never read.
 
-    tree_bits: [T] int64 or None, a draft tree's mask (llmopt/worker/draft_tree.py `mask_bits`):
+    tree_bits: [T] int64 or None, a draft tree's mask (llmopt/spec/draft_tree.py `mask_bits`):
     bit j of row t set when query t may see the key at seq_len - 64 + j of its sequence, -1 for
     a causal row. A tree row sees every earlier key and, of the last 64, those bits only.
     """

@@ -6,10 +6,11 @@
 // heads sharing that kv head) over every cached key. The general loop keeps each row's output
 // accumulator in memory and walks the rows in the outer loop, so every key's value row is
 // converted and re-read per query row, and every update of the accumulator waits on the store
-// before it (about 130 cycles a key for SmolLM2's 3 rows of 64). Here the R x D/16 accumulators
-// and the R query rows live in zmm registers, each key row is loaded once for all R rows, and
-// the online softmax runs per 16 keys of a block (scores, their max, one rescale, exponentials, then the
-// value rows), the scores of 16 keys summed into one vector without a horizontal sum per key.
+// before it (its cost per key: benchmarks/README.md, "Measurements behind the code's choices").
+// Here the R x D/16 accumulators and the R query rows live in zmm registers, each key row is
+// loaded once for all R rows, and the online softmax runs per 16 keys of a block (scores, their
+// max, one rescale, exponentials, then the value rows), the scores of 16 keys summed into one
+// vector without a horizontal sum per key.
 #pragma once
 
 #include <limits>
@@ -83,9 +84,10 @@ void decode_item(const float* q, const char* kbase, const char* vbase, int64_t k
     vsum[r] = _mm512_setzero_ps();
   }
   // the rows of keys not yet read, asked for LEAD keys ahead: one head's rows are 1 / Hkv of each
-  // block's bytes, scattered, which the hardware prefetcher does not follow (8 x 140 keys: 105 us a
-  // layer without). Two rows at most per key read, so the asks are spread among the loads rather
-  // than queued in front of them at each block's start.
+  // block's bytes, scattered, which the hardware prefetcher does not follow (the cost without the
+  // asks: benchmarks/README.md, "Measurements behind the code's choices"). Two rows at most per key
+  // read, so the asks are spread among the loads rather than queued in front of them at each
+  // block's start.
   constexpr int64_t ROW_BYTES = NV * 16 * (BF16 ? 2 : 4), LEAD = 32;  // keys (16 and 64 were slower)
   int64_t pf = std::min((k0 / BS + 1) * BS, k0 + 16), pf_blk = pf / BS, pf_off = pf % BS;  // past the first keys
   size_t pf_at = pf < k1 ? block_at(pf_blk) : 0;

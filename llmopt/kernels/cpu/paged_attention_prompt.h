@@ -4,8 +4,8 @@
 // Why rows in lanes. The tile this replaces transposed each block of keys and then ran ONE row
 // at a time: 16 scores by D broadcast-FMAs into 4 chains, a scalar max and a scalar exp per row,
 // a horizontal sum, then the value rows added into that row alone, one dependent FMA after
-// another. SmolLM2-135M's 512-token prompt (3 kv heads x 3 query heads, D = 64, float32 pool
-// of 16-key blocks, 2 threads) spent 130-137 ms in 30 such calls (one a layer): ~33 GMAC/s.
+// another: a low rate of multiply-adds for the vector units (measured on SmolLM2-135M's prompt:
+// benchmarks/README.md, "Measurements behind the code's choices").
 // Here a group of up to 48 rows is three zmm registers wide, so
 //   - a score is q^T (transposed once per item) times a broadcast key element: every kT load of
 //     the old tile becomes a scalar broadcast read straight from the pool (no transpose, no copy
@@ -14,9 +14,9 @@
 //     vertical max and add, one vector exp for 16 rows, no horizontal reduction, no scalar exp;
 //   - the value rows are added 4 output rows at a time (16 independent chains, each value
 //     vector loaded once for the 4 rows), the probabilities broadcast from the lanes' store.
-// The same 30 calls take 44-45 ms (3.0x; 47-60 against 145-178 while the host was busier), a
-// bfloat16 pool 50-64 against 148-168; decode items still take paged_attention_avx512.h. Tried:
-// 8 keys a score pass (24 accumulators) took 70-90 ms, 6 output rows a value pass 45-46.
+// The same calls run several times faster, on a float32 pool and on a bfloat16 one; decode items
+// still take paged_attention_avx512.h. Tried: 8 keys a score pass (24 accumulators) was slower,
+// 6 output rows a value pass no faster than 4 (measured: benchmarks/README.md).
 //
 // Online softmax as in the general loop, per chunk of at most 16 keys of one block: scores, the
 // chunk's max, one rescale of the row's sum and output, exponentials, then the value rows. A key

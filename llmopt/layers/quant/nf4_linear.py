@@ -8,7 +8,7 @@ the dense weight exists only for the duration of one layer's matmul, never for t
 
 A checkpoint stores one such weight per Hugging Face module (q_proj, k_proj, v_proj, ...), each
 with its own quantization state; llmopt fuses q/k/v and gate/up, so every shard is decoded by
-itself (`llmopt.layers.nf4_format.from_bnb`) and placed at its output rows.
+itself (`llmopt.layers.quant.nf4_format.from_bnb`) and placed at its output rows.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmopt.layers.linear import QuantLinear
+from llmopt.layers.quant.linear import QuantLinear
 
 
 class NF4Linear(QuantLinear):
@@ -62,7 +62,7 @@ class NF4Linear(QuantLinear):
         self._pending.setdefault(rows or (0, self.out_features), {})[name] = (tensor, what)
 
     def after_loading(self, source: str) -> None:
-        from llmopt.layers.nf4_format import from_bnb
+        from llmopt.layers.quant.nf4_format import from_bnb
 
         covered = 0
         for (a, b), parts in sorted(self._pending.items()):

@@ -17,18 +17,11 @@ ships two CPU kernels for this (what gpt-fast runs on a CPU), and this module wr
   the scales' rounding to x's dtype: GPTQ / AWQ's scale * (q - z) has zero = scale * (8 - z);
   GGUF Q4_1's d * q + m has zero = m + 8 d; Q4_0's d * (q - 8) has zero = 0.
 
-Measured with torch 2.13 on this course's 2-core CPU (one thread, a 1536 x 576 weight, the
-best tenth of 200 calls):
-
-    rows of x      1      4      16     64
-    bf16 dense   116    122    152    234   us
-    int8 (bf16)   57    113    447  1,832
-    int4 (bf16)   58    107    419  1,694
-    int8 (fp32)  651  7,710      -      -   (fp32 activations take a slow generic path)
-
-So the kernels win only on bf16 (or fp16) activations and a few rows: decode at small
-batch. Above `KERNEL_MAX_ROWS` rows (prefill, large decode batches) the layer multiplies by
-a dense copy made once from the same integers, the path the kernels are tested against.
+Measured against torch's dense bf16 matmul (benchmarks/README.md, "Measurements behind the
+code's choices"), the kernels win only on bf16 (or fp16) activations and a few rows: decode at
+small batch (fp32 activations take a slow generic path). Above `KERNEL_MAX_ROWS` rows (prefill,
+large decode batches) the layer multiplies by a dense copy made once from the same integers, the
+path the kernels are tested against.
 """
 
 from __future__ import annotations
@@ -37,7 +30,7 @@ import torch
 
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
-KERNEL_MAX_ROWS = 4   # from the table above: at 16 rows the dense bf16 matmul is 3x faster
+KERNEL_MAX_ROWS = 4   # at 16 rows the dense bf16 matmul is faster (measured: benchmarks/README.md)
 
 
 def int4_kernel_fits(out_features: int, in_features: int, group_size: int) -> str | None:

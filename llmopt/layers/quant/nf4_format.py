@@ -1,5 +1,5 @@
 """NF4, QLoRA's 4-bit data type (Dettmers et al., 2023), and bitsandbytes' checkpoint layout: the runtime
-format NF4Linear reads (llmopt/layers/nf4_linear.py) and quantize(method="nf4") writes.
+format NF4Linear reads (llmopt/layers/quant/nf4_linear.py) and quantize(method="nf4") writes.
 
 Trained weights are close to normally distributed, so NF4 puts its 16 levels where a normal
 distribution puts equal probability mass: at its quantiles, scaled into [-1, 1], with an exact

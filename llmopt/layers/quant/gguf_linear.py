@@ -18,15 +18,14 @@ from llmopt.kernels import cpu
 from llmopt.kernels.cpu.gguf_blocks import ACTIVATIONS, MATMUL_DTYPES, GGUFBlockWeight
 
 # Up to this many rows of x the block kernel beats the dense matmul in x's dtype. On AVX2 alone
-# (gate_up 3072 x 576 on 2 cores, benchmarks/results/cpu_kernels.md) fp32 dense takes over past
-# 32 rows (64 rows: 2.6 ms dense, 3.3 ms kernel). With AVX512_VNNI the blocks run in panels of 16
-# rows (llmopt/kernels/cpu/gguf_panels.h) and win at every size: one SmolLM2 layer's four
-# matmuls, 2 threads, AMD EPYC, at 512 rows 6.8 ms (Q8_0) and 7.1 (Q4_1) against 26-28 for dense
-# fp32 and 107 for a bf16 matmul without AMX. So there prompts run on the blocks too, with int8
-# activations as llama.cpp's prompts do, and no dense copy is made. With AMX, torch's bf16 matmul
-# runs on tile units: all of SmolLM2's linears at 16 rows took 22 ms dense against 23 through the
-# row-layout blocks, at 64 rows 29 against 86 (Intel Xeon, 2 threads; panels not measured there),
-# so there the dense copy takes over past 16 rows.
+# (gate_up 3072 x 576, benchmarks/results/cpu_kernels.md) fp32 dense takes over past 32 rows.
+# With AVX512_VNNI the blocks run in panels of 16 rows (llmopt/kernels/cpu/gguf_panels.h) and win
+# at every size, against dense fp32 and against a bf16 matmul without AMX, even at a prompt's
+# hundreds of rows. So there prompts run on the blocks too, with int8 activations as llama.cpp's
+# prompts do, and no dense copy is made. With AMX, torch's bf16 matmul runs on tile units: it
+# draws level with the row-layout blocks at 16 rows and pulls far ahead beyond (panels not
+# measured there), so there the dense copy takes over past 16 rows.
+# (measured: benchmarks/README.md, "Measurements behind the code's choices")
 _FLAGS = cpu.cpu_flags().split()
 UNLIMITED = 1 << 30
 KERNEL_MAX_ROWS = {torch.float32: UNLIMITED if "avx512_vnni" in _FLAGS else 32,

@@ -2,7 +2,7 @@
 
 A chain offers one guess per position; a tree offers several siblings. EAGLE-2 picks them
 deterministically (the head's top-k), so each sibling is a one-hot proposal, and the rule for
-one-hot drafts (llmopt/layers/rejection_sampler.py) extends to several of them in turn
+one-hot drafts (llmopt/spec/rejection_sampler.py) extends to several of them in turn
 (recursive rejection sampling, as SpecInfer and EAGLE verify trees). At a node whose target
 distribution is p, try its children x_1, x_2, ... in order:
 

@@ -7,21 +7,14 @@ leaves plain `nn.Linear` everywhere else.
 - `GPTQLinear` / `AWQLinear`: group-wise integer weights in the hub's packed layouts
   (`llmopt.kernels.quant_matmul`). On CUDA, 4-bit weights go through the Triton W4A16
   kernel, which reads the packed words directly. On a CPU, bf16 / fp16 activations at
-  decode batch sizes go through torch's int4 CPU kernel (`llmopt.layers.cpu_int`): 4-bit,
+  decode batch sizes go through torch's int4 CPU kernel (`llmopt.layers.quant.cpu_int`): 4-bit,
   no act-order, group size 32-256. Everything else (fp32 activations, prefill, other
   widths) multiplies by a dense copy unpacked once: the reference the kernels are tested
   against.
 - `Int8Linear`: int8 weights, one symmetric scale per output channel (RTN), weight-only;
   torch's int8 CPU kernel on the same terms.
-- `KernelLinear`: a weight that exists only in a CPU kernel's form (a GGUF file's Q4_0 /
-  Q4_1 / Q8_0 blocks, repacked when loaded).
-- `Fp8Linear`: float8 e4m3 weights with one fp32 scale per output channel. CUDA GPUs with
-  FP8 tensor cores (compute capability >= 8.9) multiply in fp8 (`torch._scaled_mm`), so the
-  activations are rounded to fp8 too, per token on the fly or with a static `input_scale`
-  from the checkpoint (W8A8). Elsewhere nothing multiplies fp8: the weights are widened to the
-  activations' dtype and multiplied there (W8A16, as vLLM's FP8 Marlin kernel runs on older GPUs).
-  `quantize_activations = True` emulates W8A8 there in fp32 (products of fp8 values are
-  exact in fp32): what lesson 07 and the precision table measure beside weight-only.
+- `NF4Linear` (nf4_linear.py), `GGUFLinear` (gguf_linear.py) and `Fp8Linear` (llmopt/fp8/linear.py)
+  follow the same contract; `make_quant_linear` (registry.py) builds the one a checkpoint asks for.
 
 A checkpoint may store one linear as several shards that llmopt fuses (q/k/v into
 qkv_proj, gate/up into gate_up_proj). Each module therefore says, per tensor, along which
@@ -35,13 +28,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmopt.fp8 import native_fp8_supported, per_channel_scale, per_token_scale, quantize_fp8
 from llmopt.kernels import HAS_TRITON
 from llmopt.kernels.quant_matmul import awq_dequantize, awq_unpack, gptq_dequantize, unpack, w4a16_matmul
-from llmopt.layers.cpu_int import KERNEL_DTYPES, Int4Weight, Int8Weight, int4_kernel_fits, runs_kernel
+from llmopt.layers.quant.cpu_int import KERNEL_DTYPES, Int4Weight, Int8Weight, int4_kernel_fits, runs_kernel
 
 
-def _param(shape, dtype) -> nn.Parameter:
+def empty_param(shape, dtype) -> nn.Parameter:
+    """A frozen parameter of this shape and dtype, for the loader to fill."""
     return nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
 
 
@@ -142,7 +135,7 @@ class _GroupQuantLinear(QuantLinear):
         if group < 1 or in_features % group:
             raise ValueError(f"group_size {group_size} must divide in_features ({in_features})")
         self.bits, self.group_size, self.groups = bits, group, in_features // group
-        self.bias = _param((out_features,), dtype) if bias else None
+        self.bias = empty_param((out_features,), dtype) if bias else None
         self.act_order = False
 
     def extra_repr(self) -> str:
@@ -170,10 +163,10 @@ class GPTQLinear(_GroupQuantLinear):
             if (n * bits) % 32:
                 raise ValueError(f"{name} ({n}) x {bits} bits must fill whole int32 words")
         K, N = in_features, out_features
-        self.qweight = _param((K * bits // 32, N), torch.int32)
-        self.qzeros = _param((self.groups, N * bits // 32), torch.int32)
-        self.scales = _param((self.groups, N), torch.float16)
-        self.g_idx = _param((K,), torch.int32)
+        self.qweight = empty_param((K * bits // 32, N), torch.int32)
+        self.qzeros = empty_param((self.groups, N * bits // 32), torch.int32)
+        self.scales = empty_param((self.groups, N), torch.float16)
+        self.g_idx = empty_param((K,), torch.int32)
         self.SHARDING = {"qweight": (1, 1, 1), "qzeros": (1, bits, 32), "scales": (1, 1, 1),
                          "g_idx": None, "bias": (0, 1, 1)}
 
@@ -214,9 +207,9 @@ class AWQLinear(_GroupQuantLinear):
         if out_features % 8:
             raise ValueError(f"out_features ({out_features}) must be a multiple of 8 for the AWQ layout")
         K, N = in_features, out_features
-        self.qweight = _param((K, N // 8), torch.int32)
-        self.qzeros = _param((self.groups, N // 8), torch.int32)
-        self.scales = _param((self.groups, N), torch.float16)
+        self.qweight = empty_param((K, N // 8), torch.int32)
+        self.qzeros = empty_param((self.groups, N // 8), torch.int32)
+        self.scales = empty_param((self.groups, N), torch.float16)
 
     def to_kernel_weight(self, dtype):
         if int4_kernel_fits(self.out_features, self.in_features, self.group_size) is not None:
@@ -234,9 +227,9 @@ class Int8Linear(QuantLinear):
 
     def __init__(self, in_features, out_features, bias=False, dtype=torch.float32):
         super().__init__(in_features, out_features)
-        self.weight = _param((out_features, in_features), torch.int8)
-        self.weight_scale = _param((out_features,), torch.float32)
-        self.bias = _param((out_features,), dtype) if bias else None
+        self.weight = empty_param((out_features, in_features), torch.int8)
+        self.weight_scale = empty_param((out_features,), torch.float32)
+        self.bias = empty_param((out_features,), dtype) if bias else None
 
     @classmethod
     @torch.no_grad()
@@ -261,140 +254,3 @@ class Int8Linear(QuantLinear):
         if x.is_cuda:  # dequantize on the fly: a dense copy would undo the memory saving
             return F.linear(x, self.dequantize(x.dtype), self.bias)
         return super().forward(x)
-
-
-class Fp8Linear(QuantLinear):
-    """float8_e4m3fn weight [N, K], fp32 weight_scale [N, 1], optional static input_scale."""
-
-    SHARDING = {"weight": (0, 1, 1), "weight_scale": (0, 1, 1), "input_scale": None, "bias": (0, 1, 1)}
-
-    def __init__(self, in_features, out_features, bias=False, dtype=torch.float32, static_input_scale=False):
-        super().__init__(in_features, out_features)
-        self.weight = _param((out_features, in_features), torch.float8_e4m3fn)
-        self.weight_scale = _param((out_features, 1), torch.float32)
-        self.input_scale = _param((), torch.float32) if static_input_scale else None
-        self.bias = _param((out_features,), dtype) if bias else None
-        self._w32: torch.Tensor | None = None
-        # Round activations to fp8 first? None: only where FP8 units multiply (W8A8). On SmolLM2 it
-        # costs as much again as the weights' rounding (+0.90% weight-only, +1.78% W8A8).
-        self.quantize_activations: bool | None = None
-
-    def extra_repr(self) -> str:
-        return f"Fp8Linear(in={self.in_features}, out={self.out_features})"
-
-    @classmethod
-    @torch.no_grad()
-    def from_linear(cls, linear: nn.Linear) -> "Fp8Linear":
-        """Per-output-channel scales: scale = max |w| / 448 per row, weight = fp8(w / scale)."""
-        w = linear.weight.float()
-        m = cls(w.shape[1], w.shape[0], linear.bias is not None, linear.weight.dtype).to(w.device)
-        scale = per_channel_scale(w)
-        m.weight.data.copy_(quantize_fp8(w, scale))
-        m.weight_scale.data.copy_(scale)
-        if linear.bias is not None:
-            m.bias.data.copy_(linear.bias)
-        return m
-
-    def load_checkpoint_tensor(self, name, tensor, rows, what):
-        if name == "weight" and tensor.dtype != torch.float8_e4m3fn:
-            raise ValueError(f"{what} has dtype {tensor.dtype}; FP8 checkpoints store float8_e4m3fn weights")
-        if name == "weight_scale" and tensor.numel() == 1:
-            # a per-tensor scale: every row of this shard shares it
-            a, b = rows if rows is not None else (0, self.out_features)
-            tensor = tensor.float().reshape(1, 1).expand(b - a, 1)
-        elif name == "weight_scale":
-            tensor = tensor.reshape(-1, 1)
-        elif name == "input_scale":
-            if tensor.numel() != 1:
-                raise ValueError(f"{what}: a static input_scale is one number, got shape {tuple(tensor.shape)}")
-            # fused shards run on one input: the largest scale covers all of them (as vLLM does)
-            tensor = tensor.float().reshape(())
-            if self._loaded.get("input_scale"):
-                self.input_scale.data.copy_(torch.maximum(self.input_scale.data, tensor))
-                return
-        super().load_checkpoint_tensor(name, tensor, rows, what)
-        self._w32 = None
-
-    def dequantize(self, dtype=torch.float32):
-        return (self.weight.float() * self.weight_scale).to(dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, self.in_features)
-        native = native_fp8_supported(x.device) and self.in_features % 16 == 0 and self.out_features % 16 == 0
-        if not (native if self.quantize_activations is None else self.quantize_activations):
-            out = self._weight_only(x2)
-        else:
-            # activation scales: per token, computed now ("dynamic"), or one stored number ("static")
-            x_scale = per_token_scale(x2) if self.input_scale is None else self.input_scale.reshape(1, 1)
-            xq = quantize_fp8(x2, x_scale)
-            out = self._native(xq, x_scale, x.dtype) if native else self._emulated(xq, x_scale)
-        out = out if self.bias is None else out + self.bias.float()
-        return out.to(x.dtype).view(*x.shape[:-1], self.out_features)
-
-    def _weight_only(self, x2: torch.Tensor, exact: bool = False) -> torch.Tensor:
-        """W8A16. On a GPU the weights are widened to x's dtype as they are used (16 bits; a kept fp32
-        copy would take 4x the fp8 bytes); on a CPU, or `exact`, in fp32: x . (q s) = (x . q) s."""
-        if x2.is_cuda and not exact:
-            return F.linear(x2, self.dequantize(x2.dtype)).float()
-        self._w32 = self.weight.float() if self._w32 is None else self._w32
-        return (x2.float() @ self._w32.t()) * self.weight_scale.t()
-
-    def _emulated(self, xq: torch.Tensor, x_scale: torch.Tensor) -> torch.Tensor:
-        """fp8 x fp8 products, exact and summed in fp32, then both scales: what the tensor cores compute."""
-        return self._weight_only(xq, exact=True) * x_scale
-
-    def _native(self, xq: torch.Tensor, x_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        w = self.weight.t()  # [K, N] column-major, as _scaled_mm wants its second operand
-        if dtype == torch.bfloat16 and torch.cuda.get_device_capability(xq.device) >= (9, 0):
-            # Hopper: row-wise scales applied in the matmul's epilogue (bf16 output only)
-            a = x_scale.expand(xq.shape[0], 1).contiguous()
-            return torch._scaled_mm(xq, w, scale_a=a, scale_b=self.weight_scale.t().contiguous(),
-                                    out_dtype=torch.bfloat16).float()
-        # elsewhere: unit scales, fp32 output, then both scales, as the emulation applies them
-        one = torch.ones((), device=xq.device)
-        acc = torch._scaled_mm(xq, w, scale_a=one, scale_b=one, out_dtype=torch.float32)
-        return acc * (x_scale * self.weight_scale.t())
-
-
-def round_fp8_activations(model: nn.Module, on: bool | None = True) -> None:
-    """Every Fp8Linear's `quantize_activations` (True: W8A8 anywhere; None: where FP8 units multiply)."""
-    for m in model.modules():
-        if isinstance(m, Fp8Linear):
-            m.quantize_activations = on
-
-
-class KernelLinear(QuantLinear):
-    """A linear whose weight is held only as a CPU kernel's `Int4Weight` / `Int8Weight` (built
-    in one activation dtype); other dtypes, and large row counts, multiply by its dense copy."""
-
-    def __init__(self, weight: Int4Weight | Int8Weight, bias: torch.Tensor | None = None):
-        super().__init__(weight.in_features, weight.out_features)
-        self.weight_kernel = weight
-        self.bias = None if bias is None else nn.Parameter(bias.to(weight.dtype), requires_grad=False)
-
-    def extra_repr(self) -> str:
-        kind = "int4" if isinstance(self.weight_kernel, Int4Weight) else "int8"
-        return f"KernelLinear(in={self.in_features}, out={self.out_features}, {kind})"
-
-    def weight_device(self) -> torch.device:
-        return torch.device("cpu")
-
-    def to_kernel_weight(self, dtype):
-        return self.weight_kernel if dtype == self.weight_kernel.dtype else None
-
-    def dequantize(self, dtype=torch.float32):
-        return self.weight_kernel.dequantize(dtype)
-
-    def weight_bytes(self) -> int:
-        return self.weight_kernel.nbytes()
-
-
-def make_quant_linear(scheme, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> QuantLinear:
-    """The module a `QuantScheme` (llmopt.layers.quant_formats) asks for, empty, ready to load into."""
-    if scheme.method == "gptq":
-        return GPTQLinear(in_features, out_features, scheme.bits, scheme.group_size, bias, dtype)
-    if scheme.method == "awq":
-        return AWQLinear(in_features, out_features, scheme.bits, scheme.group_size, bias, dtype)
-    if scheme.method == "fp8":
-        return Fp8Linear(in_features, out_features, bias, dtype, scheme.activation_scheme == "static")
-    raise ValueError(f"no serialized quantized linear for method {scheme.method!r}")
