@@ -102,44 +102,50 @@ class CompiledLayers:
         attn = layers[0].self_attn
         self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
         self.eps = float(layers[0].input_layernorm.eps)
-        self.norms, self.tensors, self.kinds = [], [], []
-        self.unit_scales = [1.0] * len(layers)  # the pool is in the model's dtype: no FP8 scales
-        self.windows = [0 if layer.self_attn.window is None else int(layer.self_attn.window) for layer in layers]
-        none = torch.empty(0, dtype=dtype)  # (what a layer does not have: bias, min, blocks)
         self.no_tree = torch.empty(0, dtype=torch.int64)  # causal rows: no draft tree's mask
-        self.int8, self.max_rows = True, UNLIMITED
         self.dense_rows = dense_kernel_max_rows(dtype)
-        for layer in layers:
-            self.norms += [layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach()]
-            for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
-                bias = none if lin.bias is None else lin.bias.detach().to(dtype)
-                if isinstance(lin, GGUFLinear):
-                    b = lin.weight_blocks
-                    self.int8, self.max_rows = lin.activations == "int8", KERNEL_MAX_ROWS[dtype]
-                    # the dense copy is what batches above KERNEL_MAX_ROWS multiply by, where there is a limit
-                    dense = lin.dense_weight(dtype) if self.max_rows < UNLIMITED else none
-                    self.tensors += [dense, *b.kernel_blocks(lin.activations), bias]
-                    self.kinds.append(b.ggml_type)
-                else:
-                    self.tensors += [dense_weight(lin.weight), none, none, none, bias]
-                    self.kinds.append(0)
-        # bf16 panels are this step's own copies: onto 2 MB pages as the model's weights are
-        # (llmopt/worker/huge_pages.py); the rest are the model's tensors, already there
-        own = [i for i, t in enumerate(self.tensors) if t.dim() == 5]
-        for i, t in zip(own, huge_pages.onto_huge_pages([self.tensors[i] for i in own])):
-            self.tensors[i] = t
+        ext = cpu.load()
+        none = torch.empty(0, dtype=dtype)  # (what a layer does not have: bias, min, blocks)
+        names = ("qkv", "o", "gate_up", "down")
+        linears = [dict(zip(names, (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                                    layer.mlp.down_proj))) for layer in layers]
+        # dense weights in the kernel's form; bf16 panels are this step's own copies: onto 2 MB pages
+        # as the model's weights are (llmopt/worker/huge_pages.py), all in one mapping
+        dense = {id(lin): dense_weight(lin.weight) for ls in linears for lin in ls.values()
+                 if not isinstance(lin, GGUFLinear)}
+        own = [k for k, w in dense.items() if w.dim() == 5]
+        dense.update(zip(own, huge_pages.onto_huge_pages([dense[k] for k in own])))
+
+        def linear(lin):
+            """One linear as the C++ step's named struct (llmopt/kernels/cpu/decode_step.h)."""
+            bias = none if lin.bias is None else lin.bias.detach().to(dtype)
+            if not isinstance(lin, GGUFLinear):
+                return ext.Linear(kind=0, w=dense[id(lin)], qs=none, d=none, mn=none, bias=bias,
+                                  int8=False, max_rows=UNLIMITED, dense_rows=self.dense_rows)
+            b, max_rows = lin.weight_blocks, KERNEL_MAX_ROWS[dtype]
+            # the dense copy is what batches above KERNEL_MAX_ROWS multiply by, where there is a limit
+            w = lin.dense_weight(dtype) if max_rows < UNLIMITED else none
+            qs, d, mn = b.kernel_blocks(lin.activations)
+            return ext.Linear(kind=b.ggml_type, w=w, qs=qs, d=d, mn=mn, bias=bias,
+                              int8=lin.activations == "int8", max_rows=max_rows, dense_rows=self.dense_rows)
+
+        # the pool is in the model's dtype (why_not refuses FP8 pools): unit scales
+        self.layers = [ext.DecoderLayer(
+            input_norm=layer.input_layernorm.weight.detach(),
+            post_attention_norm=layer.post_attention_layernorm.weight.detach(),
+            **{name: linear(lin) for name, lin in ls.items()},
+            k_pool=kv_cache.k[i], v_pool=kv_cache.v[i], k_scale=1.0, v_scale=1.0,
+            window=0 if layer.self_attn.window is None else int(layer.self_attn.window))
+            for i, (layer, ls) in enumerate(zip(layers, linears))]
 
     def run(self, h: torch.Tensor, meta: AttentionMetadata) -> None:
-        pool = self.kv_cache
-        pool.begin_step(meta)
+        self.kv_cache.begin_step(meta)
         cos = self.rotary.cos[meta.positions].to(self.dtype).contiguous()
         ssin = self.rotary.signed_sin[meta.positions].to(self.dtype).contiguous()
         tree = self.no_tree if meta.tree_bits is None else meta.tree_bits
         cpu.load().decode_layers(
-            h, cos, ssin, self.norms, self.tensors, self.kinds, self.int8, self.max_rows, self.dense_rows, pool.k, pool.v,
-            self.unit_scales, self.unit_scales, self.windows,
-            meta.slot_mapping.long(), meta.block_table_tensor, meta.query_start_loc, meta.seq_lens_tensor, tree,
-            self.num_heads, self.num_kv_heads, self.head_dim, self.eps)
+            h, cos, ssin, self.layers, meta.slot_mapping.long(), meta.block_table_tensor, meta.query_start_loc,
+            meta.seq_lens_tensor, tree, self.num_heads, self.num_kv_heads, self.head_dim, self.eps)
 
 
 class CompiledDecode(StepBackend):

@@ -28,7 +28,7 @@ from typing import Callable
 
 SOURCES = ("bindings.cpp", "dense_matmul.cpp", "dense_panels.cpp", "gguf_matmul.cpp", "gguf_panels.cpp",
            "paged_attention.cpp", "decode_step.cpp")
-HEADERS = ("common.h", "gguf_rows.h", "gguf_vnni.h", "gguf_panels.h", "paged_attention_avx512.h", "paged_attention_prompt.h")
+HEADERS = ("common.h", "decode_step.h", "gguf_rows.h", "gguf_vnni.h", "gguf_panels.h", "paged_attention_avx512.h", "paged_attention_prompt.h")
 BASE_CFLAGS = ("-O3", "-fopenmp", "-std=c++17")
 # The host's own vector instructions, unless PyTorch is pinned to an ISA (ATEN_CPU_CAPABILITY, as
 # the lessons pin AVX2 so that every x86 machine sums in the same order): then the same one here.

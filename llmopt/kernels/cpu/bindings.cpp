@@ -1,6 +1,8 @@
 // The Python face of the CPU kernels (built by llmopt/kernels/cpu/__init__.py).
 #include <torch/extension.h>
 
+#include "decode_step.h"
+
 namespace llmopt {
 torch::Tensor gguf_matmul(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& d,
                           const torch::Tensor& mn, int64_t type, bool int8_activations);
@@ -12,14 +14,6 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_poo
                               const torch::Tensor& block_table, const torch::Tensor& query_start_loc,
                               const torch::Tensor& seq_lens, double scale, int64_t window,
                               double k_scale, double v_scale, const at::Tensor& tree_bits);
-void decode_layers(at::Tensor h, const at::Tensor& cos, const at::Tensor& ssin, const std::vector<at::Tensor>& norms,
-                   const std::vector<at::Tensor>& linear_tensors, const std::vector<int64_t>& linear_kinds,
-                   bool int8_activations, int64_t kernel_max_rows, int64_t dense_rows,
-                   const std::vector<at::Tensor>& k_pools,
-                   const std::vector<at::Tensor>& v_pools, const std::vector<double>& k_scales,
-                   const std::vector<double>& v_scales, const std::vector<int64_t>& windows, const at::Tensor& slots,
-                   const at::Tensor& block_table, const at::Tensor& qsl, const at::Tensor& seq_lens,
-                   const at::Tensor& tree_bits, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps);
 }  // namespace llmopt
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -29,6 +23,25 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dense_panels_supported", &llmopt::dense_panels_supported, "whether this build runs bf16 weight panels (AVX-512)");
   m.def("quantize_activations", &llmopt::quantize_activations, "x per 32 values to int8 (Q8_0 / Q8_1)");
   m.def("paged_attention", &llmopt::paged_attention, "paged attention over the block pool");
+  // One decoder layer's weights and pool, named (decode_step.h); an empty bias tensor means none.
+  py::class_<llmopt::Linear>(m, "Linear")
+      .def(py::init([](int64_t kind, at::Tensor w, at::Tensor qs, at::Tensor d, at::Tensor mn, at::Tensor bias,
+                       bool int8, int64_t max_rows, int64_t dense_rows) {
+             return llmopt::Linear{kind, w, qs, d, mn, bias.numel() ? bias : at::Tensor(), int8, max_rows, dense_rows};
+           }),
+           py::arg("kind"), py::arg("w"), py::arg("qs"), py::arg("d"), py::arg("mn"), py::arg("bias"),
+           py::arg("int8"), py::arg("max_rows"), py::arg("dense_rows"))
+      .def_readonly("kind", &llmopt::Linear::kind);
+  py::class_<llmopt::DecoderLayer>(m, "DecoderLayer")
+      .def(py::init([](at::Tensor input_norm, at::Tensor post_attention_norm, llmopt::Linear qkv, llmopt::Linear o,
+                       llmopt::Linear gate_up, llmopt::Linear down, at::Tensor k_pool, at::Tensor v_pool,
+                       double k_scale, double v_scale, int64_t window) {
+             return llmopt::DecoderLayer{input_norm, post_attention_norm, qkv, o, gate_up, down, k_pool, v_pool,
+                                         k_scale, v_scale, window};
+           }),
+           py::arg("input_norm"), py::arg("post_attention_norm"), py::arg("qkv"), py::arg("o"), py::arg("gate_up"),
+           py::arg("down"), py::arg("k_pool"), py::arg("v_pool"), py::arg("k_scale"), py::arg("v_scale"),
+           py::arg("window"));
   m.def("decode_layers", &llmopt::decode_layers, "every decoder layer of a decode (or verification) step, in one call");
   m.def("simd", []() {
 #if defined(__AVX512BF16__)

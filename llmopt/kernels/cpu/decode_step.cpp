@@ -1,10 +1,12 @@
 // A decode step of a Llama-family decoder in one call: every layer, without coming back to
 // Python between operations (llmopt/worker/compiled_decode.py says when and why).
 //
-// Per layer, for the flat batch of new tokens h [T, hidden]:
-//   x = rmsnorm(h) ; q, k, v = x @ Wqkv^T ; RoPE(q, k) ; k, v -> their pool slots
+// It mirrors llmopt/model/llama.py line for line: `run_layers` is CausalLM.forward's loop over
+// LlamaDecoderLayer.forward, its body LlamaAttention.forward and LlamaMLP.forward, for the flat
+// batch of new tokens h [T, hidden]:
+//   x = rmsnorm(h) ; q, k, v = x @ Wqkv^T ; RoPE(q, k) ; k, v -> their pool slots   (LlamaAttention)
 //   h += attention(q over the pool) @ Wo^T
-//   x = rmsnorm(h) ; h += (silu(x @ Wg^T) * (x @ Wu^T)) @ Wd^T
+//   x = rmsnorm(h) ; h += (silu(x @ Wg^T) * (x @ Wu^T)) @ Wd^T                        (LlamaMLP)
 // The elementwise steps round to the model's dtype where the eager torch path does, so in
 // float32 the two compute the same numbers up to the order of a few sums. (No fused
 // multiply-adds here: torch rounds a product before adding it, and so does this file.)
@@ -17,6 +19,7 @@
 #include <vector>
 
 #include "common.h"
+#include "decode_step.h"
 
 namespace llmopt {
 at::Tensor gguf_matmul(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, const at::Tensor& mn,
@@ -27,18 +30,6 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const 
                            const at::Tensor& seq_lens, double scale, int64_t window, double k_scale, double v_scale, const at::Tensor& tree_bits);
 
 namespace {
-
-// One linear layer: kind 0 = a dense weight, either bf16 panels [N / 32, K / 2, 2, 16, 2]
-// (dense_panels.cpp, any number of rows) or w [N, K], multiplied by dense_matmul.cpp's kernel
-// for up to dense_rows rows of x and by torch's matmul above that; else the GGUF block type
-// (2, 3, 8) of blocks (qs, d, mn), multiplied with int8 (llama.cpp's) or float activations for
-// up to max_rows rows of x, and by their dense copy w above that (as llmopt.layers.quant.gguf_linear does).
-struct Linear {
-  int64_t kind;
-  at::Tensor w, qs, d, mn, bias;
-  bool int8;
-  int64_t max_rows, dense_rows;
-};
 
 at::Tensor apply(const Linear& l, const at::Tensor& x) {
   if (l.kind == 0 && (l.w.dim() == 5 || x.size(0) <= l.dense_rows)) {
@@ -119,38 +110,35 @@ void add_into(T* h, const T* y, int64_t n) {
 }
 
 template <typename T>
-void run_layers(at::Tensor& h, const at::Tensor& cos, const at::Tensor& ssin, const std::vector<at::Tensor>& norms,
-                const std::vector<Linear>& linears, const std::vector<at::Tensor>& k_pools,
-                const std::vector<at::Tensor>& v_pools, const std::vector<double>& k_scales,
-                const std::vector<double>& v_scales, const std::vector<int64_t>& windows, const at::Tensor& slots,
-                const at::Tensor& block_table, const at::Tensor& qsl, const at::Tensor& seq_lens,
+void run_layers(at::Tensor& h, const at::Tensor& cos, const at::Tensor& ssin, const std::vector<DecoderLayer>& layers,
+                const at::Tensor& slots, const at::Tensor& block_table, const at::Tensor& qsl, const at::Tensor& seq_lens,
                 const at::Tensor& tree_bits, int64_t Hq, int64_t Hkv, int64_t D, double eps) {
-  const int64_t T_ = h.size(0), H = h.size(1), L = int64_t(norms.size() / 2);
+  const int64_t T_ = h.size(0), H = h.size(1);
   const int64_t q_size = Hq * D, kv_size = Hkv * D;
   const double scale = 1.0 / std::sqrt(double(D));
-  for (int64_t l = 0; l < L; ++l) {
-    at::Tensor x = rms_norm<T>(h, norms[2 * l], eps);
-    at::Tensor qkv = apply(linears[4 * l], x).contiguous();          // [T, q + 2 kv]
+  for (const DecoderLayer& l : layers) {
+    at::Tensor x = rms_norm<T>(h, l.input_norm, eps);
+    at::Tensor qkv = apply(l.qkv, x).contiguous();                    // [T, q + 2 kv]
     T* p = qkv.data_ptr<T>();
     const int64_t stride = q_size + 2 * kv_size;
     rope<T>(p, cos.data_ptr<T>(), ssin.data_ptr<T>(), T_, Hq, D, stride);
     rope<T>(p + q_size, cos.data_ptr<T>(), ssin.data_ptr<T>(), T_, Hkv, D, stride);
-    write_slots<T>(p + q_size, stride, k_pools[l], slots.data_ptr<int64_t>(), T_, kv_size);
-    write_slots<T>(p + q_size + kv_size, stride, v_pools[l], slots.data_ptr<int64_t>(), T_, kv_size);
+    write_slots<T>(p + q_size, stride, l.k_pool, slots.data_ptr<int64_t>(), T_, kv_size);
+    write_slots<T>(p + q_size + kv_size, stride, l.v_pool, slots.data_ptr<int64_t>(), T_, kv_size);
     at::Tensor q = qkv.narrow(1, 0, q_size).contiguous().view({T_, Hq, D});
-    at::Tensor attn = paged_attention(q, k_pools[l], v_pools[l], block_table, qsl, seq_lens, scale, windows[l],
-                                      k_scales[l], v_scales[l], tree_bits);
-    at::Tensor o = apply(linears[4 * l + 1], attn.view({T_, q_size})).contiguous();
+    at::Tensor attn = paged_attention(q, l.k_pool, l.v_pool, block_table, qsl, seq_lens, scale, l.window,
+                                      l.k_scale, l.v_scale, tree_bits);
+    at::Tensor o = apply(l.o, attn.view({T_, q_size})).contiguous();
     add_into<T>(h.data_ptr<T>(), o.data_ptr<T>(), T_ * H);
-    x = rms_norm<T>(h, norms[2 * l + 1], eps);
-    at::Tensor gu = apply(linears[4 * l + 2], x).contiguous();        // [T, 2 * intermediate]
+    x = rms_norm<T>(h, l.post_attention_norm, eps);
+    at::Tensor gu = apply(l.gate_up, x).contiguous();                 // [T, 2 * intermediate]
     const int64_t inter = gu.size(1) / 2;
     at::Tensor act = at::silu(gu.narrow(1, 0, inter)).contiguous();
     T* a = act.data_ptr<T>();
     const T* up = gu.data_ptr<T>() + inter;
     for (int64_t t = 0; t < T_; ++t)                                  // * up, rounded as torch's mul
       for (int64_t j = 0; j < inter; ++j) a[t * inter + j] = T(float(a[t * inter + j]) * float(up[t * 2 * inter + j]));
-    at::Tensor down = apply(linears[4 * l + 3], act).contiguous();
+    at::Tensor down = apply(l.down, act).contiguous();
     add_into<T>(h.data_ptr<T>(), down.data_ptr<T>(), T_ * H);
   }
 }
@@ -160,40 +148,24 @@ void run_layers(at::Tensor& h, const at::Tensor& cos, const at::Tensor& ssin, co
 // h [T, hidden] (the token embeddings; updated in place to the last layer's output, before the
 // final norm). A step may bring several new tokens per sequence (speculative verification: a
 // chain of drafts, or a draft tree under `tree_bits`, paged_attention.cpp; empty: causal).
-// Per layer l: norms[2l], norms[2l+1]; linears[4l..4l+3] = qkv, o, gate_up, down, each
-// five tensors (dense weight, qs, d, mn, bias; undefined where unused) and one kind.
-void decode_layers(at::Tensor h, const at::Tensor& cos, const at::Tensor& ssin, const std::vector<at::Tensor>& norms,
-                   const std::vector<at::Tensor>& linear_tensors, const std::vector<int64_t>& linear_kinds,
-                   bool int8_activations, int64_t kernel_max_rows, int64_t dense_rows,
-                   const std::vector<at::Tensor>& k_pools,
-                   const std::vector<at::Tensor>& v_pools, const std::vector<double>& k_scales,
-                   const std::vector<double>& v_scales, const std::vector<int64_t>& windows, const at::Tensor& slots,
-                   const at::Tensor& block_table, const at::Tensor& qsl, const at::Tensor& seq_lens,
-                   const at::Tensor& tree_bits, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps) {
+void decode_layers(at::Tensor h, const at::Tensor& cos, const at::Tensor& ssin, const std::vector<DecoderLayer>& layers,
+                   const at::Tensor& slots, const at::Tensor& block_table, const at::Tensor& qsl,
+                   const at::Tensor& seq_lens, const at::Tensor& tree_bits, int64_t num_heads, int64_t num_kv_heads,
+                   int64_t head_dim, double eps) {
   TORCH_CHECK_VALUE(h.dim() == 2 && h.is_contiguous(), "h must be contiguous [tokens, hidden]");
   TORCH_CHECK_VALUE(h.scalar_type() == at::kFloat || h.scalar_type() == at::kBFloat16,
                     "the compiled decode step runs float32 or bfloat16, got ", h.scalar_type());
-  const size_t L = norms.size() / 2;
-  TORCH_CHECK_VALUE(linear_kinds.size() == 4 * L && linear_tensors.size() == 5 * 4 * L && k_pools.size() == L &&
-                    v_pools.size() == L && windows.size() == L, "one set of weights and pools per layer");
-  std::vector<Linear> linears;
-  for (size_t i = 0; i < linear_kinds.size(); ++i) {
-    const auto* t = &linear_tensors[5 * i];
-    // (Python passes empty tensors for the parts a layer has not: bias, min, blocks of a dense layer)
-    linears.push_back({linear_kinds[i], t[0], t[1], t[2], t[3], t[4].numel() ? t[4] : at::Tensor(), int8_activations,
-                       kernel_max_rows, dense_rows});
-  }
-  for (const auto* pools : {&k_pools, &v_pools})
-    for (const auto& p : *pools)
-      TORCH_CHECK_VALUE((p.scalar_type() == h.scalar_type() || p.scalar_type() == at::kBFloat16) && p.is_contiguous(),
+  for (const DecoderLayer& l : layers)
+    for (const auto* p : {&l.k_pool, &l.v_pool})
+      TORCH_CHECK_VALUE((p->scalar_type() == h.scalar_type() || p->scalar_type() == at::kBFloat16) && p->is_contiguous(),
                         "pools must be contiguous, in the model's dtype or bfloat16");
   at::Tensor hh = h;
   if (h.scalar_type() == at::kFloat)
-    run_layers<float>(hh, cos, ssin, norms, linears, k_pools, v_pools, k_scales, v_scales, windows, slots,
-                      block_table, qsl, seq_lens, tree_bits, num_heads, num_kv_heads, head_dim, eps);
+    run_layers<float>(hh, cos, ssin, layers, slots, block_table, qsl, seq_lens, tree_bits, num_heads, num_kv_heads,
+                      head_dim, eps);
   else
-    run_layers<at::BFloat16>(hh, cos, ssin, norms, linears, k_pools, v_pools, k_scales, v_scales, windows, slots,
-                             block_table, qsl, seq_lens, tree_bits, num_heads, num_kv_heads, head_dim, eps);
+    run_layers<at::BFloat16>(hh, cos, ssin, layers, slots, block_table, qsl, seq_lens, tree_bits, num_heads,
+                             num_kv_heads, head_dim, eps);
 }
 
 }  // namespace llmopt
