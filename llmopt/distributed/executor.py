@@ -295,10 +295,6 @@ class ParallelModelRunner(ModelRunner):
     def max_in_flight(self) -> int:
         return self.executor.max_in_flight
 
-    @property
-    def num_in_flight(self) -> int:
-        return len(self.pending)
-
     def submit(self, scheduled, block_tables, grammar_bitmask=None) -> None:
         """Start a step down the pipeline (the arguments are `execute`'s)."""
         with deferred_interrupt():  # what is in flight must stay in step with the workers
