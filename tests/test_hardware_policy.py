@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from llmopt import config as config_module
-from llmopt.fp8 import format as fp8_module
 from llmopt.config import EngineConfig, resolve_dtype
+from llmopt.fp8 import format as fp8_module
 from llmopt.fp8.format import fp8_compute_supported, native_fp8_supported
 from llmopt.kernels import paged_attention as pa
 

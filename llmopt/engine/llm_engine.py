@@ -39,8 +39,8 @@ from llmopt.spec import step as spec_step
 from llmopt.spec.proposers import make_proposer
 from llmopt.structured.manager import StructuredOutputManager
 from llmopt.worker import huge_pages, kv_pools
-from llmopt.worker.kv_cache import kv_cache_torch_dtype
 from llmopt.worker.backends import choose_step_backend
+from llmopt.worker.kv_cache import kv_cache_torch_dtype
 from llmopt.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)

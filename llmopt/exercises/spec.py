@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 
 from llmopt.exercises.base import Case, Exercise
-from llmopt.spec.rejection_sampler import rejection_sample
 from llmopt.layers.sampler import draw_token
+from llmopt.spec.rejection_sampler import rejection_sample
 
 
 def accept_or_resample_solution(p: torch.Tensor, q: torch.Tensor, x: int, u: float) -> torch.Tensor | None:

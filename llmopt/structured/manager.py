@@ -109,8 +109,6 @@ class StructuredOutputManager:
         (ModelRunner.sampling_rows: each sequence's 1 + drafts logits rows, one after another):
         (bitmask, the rows it covers), or None when none is constrained (see
         matcher.batch_bitmask). Timed for the metrics."""
-        if all(seq.grammar is None for seq in rows):
-            return None
         start = time.perf_counter()
         firsts = [0]
         for seq in rows:

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 import ipywidgets as widgets
 
 from llmopt.sampling_params import SamplingParams
+from llmopt.spec.draft_tree import DraftTree
 from llmopt.spec.proposers import EagleTreeProposer
 from llmopt.viz.notebook import LABEL_STYLE, LessonWidget, format_table, show_outputs
 from llmopt.viz.spec import show_token
-from llmopt.spec.draft_tree import DraftTree
 
 
 @dataclass

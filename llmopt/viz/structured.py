@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import ipywidgets as widgets
 
-from llmopt.structured.bitmask import unpack_bitmask
 from llmopt.sampling_params import SamplingParams
+from llmopt.structured.bitmask import unpack_bitmask
 from llmopt.structured.matcher import RequestGrammar
 from llmopt.structured.params import StructuredOutputsParams
 from llmopt.viz.notebook import LessonWidget, format_table, show_outputs

@@ -32,10 +32,10 @@ from pathlib import Path
 import torch
 
 from llmopt.fp8.format import FP8_DTYPES, KV_CACHE_FP8_DTYPES, is_fp8, quantize_fp8, scale_from_amax
+from llmopt.fp8.kv_scales import read_kv_scales
 from llmopt.layers.attention import AttentionMetadata, KVCache, contiguous_attention
 from llmopt.layers.paged_attention import PAGED_ATTENTION, pick_paged_attention
 from llmopt.model.forward import run_model
-from llmopt.fp8.kv_scales import read_kv_scales
 
 
 class NoKVCache(KVCache):

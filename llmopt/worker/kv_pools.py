@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from llmopt.worker.kv_cache import PagedKVCache, kv_cache_torch_dtype
 from llmopt.fp8.kv_scales import calibration_token_ids
+from llmopt.worker.kv_cache import PagedKVCache, kv_cache_torch_dtype
 from llmopt.worker.mla_cache import MLAPagedKVCache
 
 

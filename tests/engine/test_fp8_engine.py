@@ -15,10 +15,10 @@ from test_engine import GREEDY, PROMPTS, tokens
 from llmopt import LLM, SamplingParams, model_path
 from llmopt.config import EngineConfig
 from llmopt.fp8.format import quantize_fp8
+from llmopt.fp8.kv_scales import calibration_token_ids, read_kv_scales
 from llmopt.kernels.paged_attention_ref import paged_attention_ref
 from llmopt.layers.attention import AttentionMetadata, attention
 from llmopt.worker.kv_cache import PagedKVCache, kv_cache_torch_dtype, observe_kv_amax
-from llmopt.fp8.kv_scales import calibration_token_ids, read_kv_scales
 
 
 @pytest.fixture(scope="module")

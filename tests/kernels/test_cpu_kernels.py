@@ -25,9 +25,9 @@ from gguf.quants import dequantize, quantize
 from llmopt.kernels import cpu
 from llmopt.kernels.cpu.gguf_blocks import GGUFBlockWeight, quantize_activations
 from llmopt.kernels.cpu.paged_attention import paged_attention_cpu
-from llmopt.worker.kv_cache import write_kv
 from llmopt.kernels.paged_attention_ref import paged_attention_ref
 from llmopt.spec.draft_tree import tree_bits, tree_mask
+from llmopt.worker.kv_cache import write_kv
 
 needs_kernels = pytest.mark.skipif(not cpu.available(), reason=f"no C++ CPU kernels: {cpu.why_unavailable()}")
 TOL = {torch.float32: 2e-5, torch.bfloat16: 1.6e-2}

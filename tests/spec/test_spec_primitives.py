@@ -6,8 +6,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from llmopt.spec.rejection_sampler import rejection_sample
 from llmopt.spec.ngram import propose_ngram
+from llmopt.spec.rejection_sampler import rejection_sample
 
 V = 12
 

@@ -9,12 +9,12 @@ from scipy.stats import chisquare
 
 from llmopt import LLM, SamplingParams
 from llmopt.layers.attention import AttentionMetadata
-from llmopt.spec.tree_sampler import tree_rejection_sample
 from llmopt.model.forward import run_model
 from llmopt.model.loader import load_model
 from llmopt.model.registry import model_path
-from llmopt.spec.tree import select_tree
 from llmopt.spec.draft_tree import DraftTree, accepted_path, accepted_slot_moves, add_tree_layout
+from llmopt.spec.tree import select_tree
+from llmopt.spec.tree_sampler import tree_rejection_sample
 from llmopt.worker.kv_cache import NoKVCache, PagedKVCache
 
 TREE = {"method": "eagle", "model": "tiny-eagle", "num_speculative_tokens": 4,

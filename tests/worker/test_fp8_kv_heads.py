@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from llmopt import LLM
+from llmopt.eval import window_nll
+from llmopt.fp8.format import dequantize_fp8, quantize_fp8, scale_from_amax
+from llmopt.fp8.kv_scales import calibration_token_ids
 from llmopt.layers.attention import AttentionMetadata
 from llmopt.model.forward import run_model
 from llmopt.worker.kv_cache import NoKVCache, observe_kv_amax
-from llmopt.fp8.kv_scales import calibration_token_ids
-from llmopt.eval import window_nll
-from llmopt.fp8.format import dequantize_fp8, quantize_fp8, scale_from_amax
 
 
 class EmulatedFP8KV(NoKVCache):

@@ -9,10 +9,10 @@ import torch
 from llmopt import LLM
 from llmopt.eval import window_nll
 from llmopt.fp8.format import dequantize_fp8, quantize_fp8
+from llmopt.fp8.kv_scales import calibration_token_ids
 from llmopt.layers.hadamard import random_hadamard
 from llmopt.worker.compiled_decode import why_not
 from llmopt.worker.kv_cache import NoKVCache
-from llmopt.fp8.kv_scales import calibration_token_ids
 
 from test_fp8_kv_heads import TEXT, emulated_nll
 
