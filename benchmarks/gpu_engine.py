@@ -383,7 +383,7 @@ def section_smollm2_w4a16(run) -> None:
     llm = make_llm(run, out, max_num_seqs=128)
     _, row, ppl = variant_row(run, "W4A16 (RTN, group 64, GPTQ layout)", llm, reqs, base_tokens)
     if run.device == "cuda":  # the Triton kernel runs only on CUDA; on a CPU the dense copy does
-        from llmopt.layers.quant.linear import GPTQLinear
+        from llmopt.layers.quant.gptq import GPTQLinear
 
         quant = [m for m in llm.model.modules() if isinstance(m, GPTQLinear)]
         run.check("the model's linears are GPTQLinear (W4A16 kernel)", len(quant) > 0, f"{len(quant)} layers")

@@ -164,7 +164,8 @@ def random_int4(K, N, group, act_order, seed=0):
 
 def check_w4a16(run) -> None:
     from llmopt.kernels.quant_matmul import w4a16_matmul, w4a16_matmul_ref
-    from llmopt.layers.quant.formats import to_awq, to_gptq
+    from llmopt.layers.quant.awq import to_awq
+    from llmopt.layers.quant.gptq import to_gptq
 
     rows, all_ok = [], True
     for name, (K, N) in (TINY_LINEARS if run.dry_run else SMOLLM2_LINEARS).items():
@@ -274,7 +275,7 @@ def section_kernel_timings(run) -> None:
 def time_matmul(run, m, k, n, native, fmt) -> list:
     from llmopt.fp8.format import per_channel_scale, per_token_scale, quantize_fp8
     from llmopt.kernels.quant_matmul import w4a16_matmul
-    from llmopt.layers.quant.formats import to_gptq
+    from llmopt.layers.quant.gptq import to_gptq
 
     bw, peak = run.ceilings["bandwidth_GBps"], run.ceilings["bf16_TFLOPs"]
     x = torch.randn(m, k, device=run.device).to(run.bf16)

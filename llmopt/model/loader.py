@@ -5,7 +5,7 @@ any weights are used: a missing config.json or weights file, a corrupt safetenso
 header, an architecture we do not implement, a missing or misshapen tensor.
 
 Quantized checkpoints (config.json's `quantization_config`: GPTQ, AWQ, FP8) get the
-matching modules of `llmopt.layers.quant.linear` in place of the decoder's `nn.Linear` layers
+matching modules of `llmopt.layers.quant` (registry.py builds them) in place of the decoder's `nn.Linear` layers
 before any memory is allocated; `quantization="int8" | "fp8"` quantizes a full-precision
 checkpoint's linear layers right after loading it.
 """
@@ -237,7 +237,7 @@ def use_quantized_linears(model: LlamaForCausalLM, scheme, dtype: torch.dtype) -
             dense = model.get_submodule(name)
             with torch.device("meta"):
                 if scheme.method == "nf4":
-                    from llmopt.layers.quant.nf4_linear import NF4Linear
+                    from llmopt.layers.quant.nf4 import NF4Linear
 
                     q = NF4Linear(dense.in_features, dense.out_features, scheme.group_size,
                                   dense.bias is not None, dtype)
@@ -251,7 +251,7 @@ def use_quantized_linears(model: LlamaForCausalLM, scheme, dtype: torch.dtype) -
 def quantize_linears(model: LlamaForCausalLM, method: str) -> None:
     """Quantize-on-load: "int8" (RTN, per output channel) or "fp8" (e4m3, per output channel)."""
     from llmopt.fp8.linear import Fp8Linear
-    from llmopt.layers.quant.linear import Int8Linear
+    from llmopt.layers.quant.int8 import Int8Linear
 
     make = {"int8": Int8Linear, "fp8": Fp8Linear}[method].from_linear
     for name in model.quantizable_linears():

@@ -19,8 +19,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from llmopt.layers.quant.formats import QuantizedWeight, to_awq, to_gptq
-from llmopt.layers.quant.nf4_format import NF4Weight, to_bnb
+from llmopt.layers.quant.awq import to_awq
+from llmopt.layers.quant.formats import QuantizedWeight
+from llmopt.layers.quant.gptq import to_gptq
+from llmopt.layers.quant.nf4 import NF4Weight, to_bnb
 
 PACKERS = {"gptq": to_gptq, "awq": to_awq, "bitsandbytes": to_bnb}
 

@@ -13,7 +13,7 @@ zero_point, version="GEMM", duo_scaling and apply_clip (AutoAWQ's defaults: both
 - "fp8": float8 e4m3 weights with per-output-channel scales (no calibration; where FP8
   units multiply, activations are quantized per token at run time);
 - "nf4": QLoRA's 4-bit NormalFloat in blocks of `group_size` (64), `double_quant` (default on)
-  for the absmax constants, written in the bitsandbytes layout (llmopt.layers.quant.nf4_format).
+  for the absmax constants, written in the bitsandbytes layout (llmopt.layers.quant.nf4).
 
 `rotation="hadamard"` (any method) first folds the norms into the linears and rotates the
 residual stream and each head's values by Hadamard matrices (llmopt.quant.rotation); the model
@@ -182,7 +182,7 @@ def quantize(model="tiny", method: str = "gptq", bits: int | None = None, group_
                            true_sequential=True if true_sequential is None else bool(true_sequential),
                            block_size=block_size, mse=float(mse or 0), progress=progress)
     elif method == "nf4":
-        from llmopt.layers.quant.nf4_format import NF4Weight
+        from llmopt.layers.quant.nf4 import NF4Weight
 
         dq = True if double_quant is None else bool(double_quant)
         weights = {name: NF4Weight.quantize(net.get_submodule(name).weight.data, group_size, dq)

@@ -12,8 +12,9 @@ import torch.nn.functional as F
 
 from llmopt.layers.quant import cpu_int
 from llmopt.layers.quant.cpu_int import Int4Weight, Int8Weight
-from llmopt.layers.quant.formats import to_awq, to_gptq
-from llmopt.layers.quant.linear import AWQLinear, GPTQLinear, Int8Linear
+from llmopt.layers.quant.awq import AWQLinear, to_awq
+from llmopt.layers.quant.gptq import GPTQLinear, to_gptq
+from llmopt.layers.quant.int8 import Int8Linear
 from llmopt.quant.rtn import rtn_quantize
 
 

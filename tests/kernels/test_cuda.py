@@ -89,7 +89,7 @@ def test_fp8_kv_cache_triton_path_equals_its_torch_path():
 
 def test_w4a16_engine_on_cuda_equals_the_cpu_dense_path(tmp_path, cpu_tokens):
     """The same 4-bit checkpoint: the Triton W4A16 kernel on CUDA, its dense dequantized copy on the CPU."""
-    from llmopt.layers.quant.linear import GPTQLinear
+    from llmopt.layers.quant.gptq import GPTQLinear
     from llmopt.quant import quantize
 
     out = tmp_path / "tiny-rtn"

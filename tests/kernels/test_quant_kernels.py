@@ -8,7 +8,9 @@ import torch.nn.functional as F
 from triton_checks import DEVICE, DTYPES, needs_triton
 
 from llmopt.kernels.quant_matmul import awq_dequantize, gptq_dequantize, w4a16_matmul, w4a16_matmul_ref
-from llmopt.layers.quant.formats import QuantizedWeight, to_awq, to_gptq
+from llmopt.layers.quant.awq import to_awq
+from llmopt.layers.quant.formats import QuantizedWeight
+from llmopt.layers.quant.gptq import to_gptq
 
 DEV = DEVICE
 
@@ -65,7 +67,8 @@ def test_reference_dequantizes_what_was_quantized():
 def test_quant_linear_equals_dequantize_then_matmul(layout):
     """The module the engine runs: on CPU exactly F.linear with the dequantized weight; on
     CUDA (4-bit) the Triton kernel, equal within rounding."""
-    from llmopt.layers.quant.linear import AWQLinear, GPTQLinear
+    from llmopt.layers.quant.awq import AWQLinear
+    from llmopt.layers.quant.gptq import GPTQLinear
 
     K, N = 128, 96
     w = random_weight(K, N, 32, act_order=layout == "gptq")

@@ -9,8 +9,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from llmopt.layers.quant.nf4_format import NF4Weight, dynamic_map, from_bnb, nf4_levels, to_bnb
-from llmopt.layers.quant.nf4_linear import NF4Linear
+from llmopt.layers.quant.nf4 import NF4Weight, dynamic_map, from_bnb, nf4_levels, to_bnb
+from llmopt.layers.quant.nf4 import NF4Linear
 
 # The NF4 table as QLoRA's appendix E and bitsandbytes publish it
 PUBLISHED_NF4 = [-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,

@@ -12,7 +12,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from llmopt.kernels.quant_matmul import AWQ_PACK_ORDER, awq_dequantize, awq_unpack, gptq_dequantize, unpack
-from llmopt.layers.quant.formats import QuantizedWeight, QuantScheme, pack, pack_awq, to_awq, to_gptq
+from llmopt.layers.quant.awq import pack_awq, to_awq
+from llmopt.layers.quant.formats import QuantizedWeight, QuantScheme, pack
+from llmopt.layers.quant.gptq import to_gptq
 
 
 # -- reference packers (independent of llmopt) ----------------------------------------------------------
@@ -239,7 +241,8 @@ def hub_style_checkpoint(dense_folder, out, layout, bits=4, group=32, act_order=
 def test_hub_checkpoints_load_and_equal_their_dequantized_weights(checkpoint_dir, tmp_path, layout, bits,
                                                                    act_order, name):
     from llmopt import LLM, SamplingParams
-    from llmopt.layers.quant.linear import AWQLinear, GPTQLinear
+    from llmopt.layers.quant.awq import AWQLinear
+    from llmopt.layers.quant.gptq import GPTQLinear
     from llmopt.model.loader import load_model
 
     qdir, ddir = hub_style_checkpoint(checkpoint_dir(name), tmp_path / "q", layout, bits, 32, act_order)

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from llmopt import LLM, SamplingParams, model_path
 from llmopt.fp8.format import dequantize_fp8, native_fp8_supported, quantize_fp8, quantize_fp8_per_token
 from llmopt.fp8.linear import Fp8Linear
-from llmopt.layers.quant.linear import Int8Linear
+from llmopt.layers.quant.int8 import Int8Linear
 from llmopt.model.loader import load_model
 from llmopt.quant import quantize
 

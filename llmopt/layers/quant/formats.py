@@ -7,8 +7,9 @@ integers q in [0, 2^bits) shaped like the linear's weight [out, in], and per gro
     W[n, k] ~ scales[g_idx[k], n] * (q[n, k] - zeros[g_idx[k], n])
 
 What differs between tools is only how that is packed into int32 words on disk (the two
-Hugging Face layouts are described in `llmopt.kernels.quant_matmul`, which unpacks them):
-`to_gptq` writes AutoGPTQ's v1 layout, `to_awq` AutoAWQ's GEMM layout. `QuantScheme` reads a
+Hugging Face layouts are described in `llmopt.kernels.quant_matmul`, which unpacks them): `pack`
+here is the bit stream both use; each format's file (gptq.py, awq.py, int8.py, nf4.py,
+gguf_linear.py) holds its layout, its linear and its dequantize reference. `QuantScheme` reads a
 checkpoint's `quantization_config` (or the engine's `quantization=` argument) and says which
 linear module the loader must build, rejecting what llmopt does not run.
 """
@@ -18,8 +19,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-
-from llmopt.kernels.quant_matmul import AWQ_PACK_ORDER
 
 GPTQ_BITS = (2, 3, 4, 8)
 AWQ_BITS = (4,)
@@ -80,40 +79,6 @@ def pack(values: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
         words = (stream << torch.arange(32, device=v.device)).sum(-1)
     words = torch.where(words >= 1 << 31, words - (1 << 32), words)  # uint32 bits -> int32
     return words.to(torch.int32).movedim(-1, dim).contiguous()
-
-
-def pack_awq(values: torch.Tensor) -> torch.Tensor:
-    """[rows, N] 4-bit integers -> AWQ words [rows, N/8]: nibble i holds column AWQ_PACK_ORDER[i]."""
-    rows, n = values.shape
-    order = torch.tensor(AWQ_PACK_ORDER, device=values.device)
-    return pack(values.view(rows, n // 8, 8)[:, :, order].reshape(rows, n), 4, dim=1)
-
-
-def to_gptq(w: QuantizedWeight) -> dict[str, torch.Tensor]:
-    """The tensors AutoGPTQ writes for one linear (checkpoint_format "gptq", v1)."""
-    if w.bits not in GPTQ_BITS:
-        raise ValueError(f"the GPTQ layout stores {GPTQ_BITS} bits, not {w.bits}")
-    maxq = (1 << w.bits) - 1
-    if (w.zeros < 1).any():
-        # v1 stores zero - 1, so a zero point of 0 cannot be written; the quantizers keep
-        # zeros >= 1 when they write this layout (min_zero=1)
-        raise ValueError("a zero point of 0 cannot be stored in the GPTQ v1 layout (it stores zero - 1)")
-    return {"qweight": pack(w.qweight.t(), w.bits, dim=0),            # [K * bits / 32, N]
-            "qzeros": pack((w.zeros - 1) & maxq, w.bits, dim=1),       # [groups, N * bits / 32]
-            "scales": w.scales.to(torch.float16).contiguous(),         # [groups, N]
-            "g_idx": w.g_idx.to(torch.int32).contiguous()}             # [K]
-
-
-def to_awq(w: QuantizedWeight) -> dict[str, torch.Tensor]:
-    """The tensors AutoAWQ writes for one linear (version "gemm")."""
-    if w.bits not in AWQ_BITS:
-        raise ValueError(f"the AWQ GEMM layout stores 4-bit weights only, not {w.bits}-bit; "
-                         "write other widths in the GPTQ layout (format='gptq')")
-    if w.has_act_order:
-        raise ValueError("the AWQ layout has no g_idx: groups must be consecutive input columns")
-    return {"qweight": pack_awq(w.qweight.t().contiguous()),        # [K, N/8]
-            "qzeros": pack_awq(w.zeros.contiguous()),                # [groups, N/8]
-            "scales": w.scales.to(torch.float16).contiguous()}       # [groups, N]
 
 
 # -- what a checkpoint asks for ------------------------------------------------------------------------

@@ -1,20 +1,18 @@
-"""Linear layers for quantized weights, each a drop-in for `nn.Linear` in the decoder.
+"""The contract of a quantized linear, a drop-in for `nn.Linear` in the decoder.
 
 The model calls `self.qkv_proj(x)` whatever module sits there; the loader puts these in
 when a checkpoint's quantization_config (or `LLM(quantization=...)`) asks for them, and
-leaves plain `nn.Linear` everywhere else.
+leaves plain `nn.Linear` everywhere else. `QuantLinear` is what they share: loading by
+shard, and the CPU's two paths. Bf16 / fp16 activations at decode batch sizes go through
+torch's int4 / int8 CPU kernels (`llmopt.layers.quant.cpu_int`) where the weight has such a
+form; everything else (fp32 activations, prefill, other widths) multiplies by a dense copy
+dequantized once: the reference the kernels are tested against.
 
-- `GPTQLinear` / `AWQLinear`: group-wise integer weights in the hub's packed layouts
-  (`llmopt.kernels.quant_matmul`). On CUDA, 4-bit weights go through the Triton W4A16
-  kernel, which reads the packed words directly. On a CPU, bf16 / fp16 activations at
-  decode batch sizes go through torch's int4 CPU kernel (`llmopt.layers.quant.cpu_int`): 4-bit,
-  no act-order, group size 32-256. Everything else (fp32 activations, prefill, other
-  widths) multiplies by a dense copy unpacked once: the reference the kernels are tested
-  against.
-- `Int8Linear`: int8 weights, one symmetric scale per output channel (RTN), weight-only;
-  torch's int8 CPU kernel on the same terms.
-- `NF4Linear` (nf4_linear.py), `GGUFLinear` (gguf_linear.py) and `Fp8Linear` (llmopt/fp8/linear.py)
-  follow the same contract; `make_quant_linear` (registry.py) builds the one a checkpoint asks for.
+The linears, one file per format with its layout and dequantize reference: `GPTQLinear`
+(gptq.py) and `AWQLinear` (awq.py), group-wise integers in the hub's packed layouts, both a
+`GroupQuantLinear` (below); `Int8Linear` (int8.py); `NF4Linear` (nf4.py); `GGUFLinear`
+(gguf_linear.py); and `Fp8Linear` (llmopt/fp8/linear.py). `make_quant_linear` (registry.py)
+builds the one a checkpoint asks for.
 
 A checkpoint may store one linear as several shards that llmopt fuses (q/k/v into
 qkv_proj, gate/up into gate_up_proj). Each module therefore says, per tensor, along which
@@ -29,8 +27,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmopt.kernels import HAS_TRITON
-from llmopt.kernels.quant_matmul import awq_dequantize, awq_unpack, gptq_dequantize, unpack, w4a16_matmul
-from llmopt.layers.quant.cpu_int import KERNEL_DTYPES, Int4Weight, Int8Weight, int4_kernel_fits, runs_kernel
+from llmopt.kernels.quant_matmul import w4a16_matmul
+from llmopt.layers.quant.cpu_int import KERNEL_DTYPES, Int4Weight, Int8Weight, runs_kernel
 
 
 def empty_param(shape, dtype) -> nn.Parameter:
@@ -126,7 +124,10 @@ class QuantLinear(nn.Module):
         return sum(p.numel() * p.element_size() for n, p in self.named_parameters() if n != "bias")
 
 
-class _GroupQuantLinear(QuantLinear):
+class GroupQuantLinear(QuantLinear):
+    """Group-wise integer weights (GPTQ's and AWQ's linears): on CUDA, 4-bit weights go through the
+    Triton W4A16 kernel, which reads the packed words directly; elsewhere QuantLinear's paths."""
+
     layout = "gptq"
 
     def __init__(self, in_features, out_features, bits, group_size, bias, dtype):
@@ -148,109 +149,4 @@ class _GroupQuantLinear(QuantLinear):
             out = w4a16_matmul(x.reshape(-1, self.in_features), self.qweight, self.qzeros, self.scales,
                                g_idx, self.group_size, self.layout, self.bias)
             return out.view(*x.shape[:-1], self.out_features)
-        return super().forward(x)
-
-
-class GPTQLinear(_GroupQuantLinear):
-    """AutoGPTQ's v1 layout: qweight [K*bits/32, N], qzeros [K/G, N*bits/32] (zero - 1),
-    scales [K/G, N], g_idx [K]."""
-
-    OPTIONAL = ("g_idx",)  # older checkpoints without act-order leave it out: k // G
-
-    def __init__(self, in_features, out_features, bits=4, group_size=128, bias=False, dtype=torch.float32):
-        super().__init__(in_features, out_features, bits, group_size, bias, dtype)
-        for n, name in ((in_features, "in_features"), (out_features, "out_features")):
-            if (n * bits) % 32:
-                raise ValueError(f"{name} ({n}) x {bits} bits must fill whole int32 words")
-        K, N = in_features, out_features
-        self.qweight = empty_param((K * bits // 32, N), torch.int32)
-        self.qzeros = empty_param((self.groups, N * bits // 32), torch.int32)
-        self.scales = empty_param((self.groups, N), torch.float16)
-        self.g_idx = empty_param((K,), torch.int32)
-        self.SHARDING = {"qweight": (1, 1, 1), "qzeros": (1, bits, 32), "scales": (1, 1, 1),
-                         "g_idx": None, "bias": (0, 1, 1)}
-
-    def after_loading(self, source: str) -> None:
-        order = torch.arange(self.in_features, device=self.g_idx.device, dtype=torch.int32) // self.group_size
-        if "g_idx" not in self._loaded:
-            self.g_idx.data.copy_(order)
-        if self.g_idx.numel() and (self.g_idx.min() < 0 or self.g_idx.max() >= self.groups):
-            raise ValueError(f"{source}: g_idx names groups outside [0, {self.groups}) in {self.extra_repr()}")
-        self.act_order = not torch.equal(self.g_idx, order)
-
-    def to_kernel_weight(self, dtype):
-        if self.act_order:
-            return None  # input columns out of group order: the kernel's groups are consecutive
-        q = unpack(self.qweight, self.bits, dim=0).t()                 # [N, K]
-        zeros = unpack(self.qzeros, self.bits, dim=1) + 1              # [G, N]; v1 stores zero - 1
-        if self.bits == 4 and int4_kernel_fits(self.out_features, self.in_features, self.group_size) is None:
-            return Int4Weight.from_affine(q, self.scales, zeros, dtype)
-        if self.bits == 8 and self.groups == 1 and bool((zeros == 128).all()):  # symmetric, per channel
-            return Int8Weight((q - 128).to(torch.int8), self.scales.float()[0], dtype)
-        return None
-
-    def dequantize(self, dtype=torch.float32):
-        return gptq_dequantize(self.qweight, self.qzeros, self.scales, self.g_idx, self.bits, dtype).t().contiguous()
-
-
-class AWQLinear(_GroupQuantLinear):
-    """AutoAWQ's GEMM layout: qweight [K, N/8] and qzeros [K/G, N/8] packed along the output
-    dimension in nibble order [0, 2, 4, 6, 1, 3, 5, 7], scales [K/G, N]."""
-
-    layout = "awq"
-    SHARDING = {"qweight": (1, 1, 8), "qzeros": (1, 1, 8), "scales": (1, 1, 1), "bias": (0, 1, 1)}
-
-    def __init__(self, in_features, out_features, bits=4, group_size=128, bias=False, dtype=torch.float32):
-        if bits != 4:
-            raise ValueError(f"the AWQ GEMM layout is 4-bit only, got bits={bits}")
-        super().__init__(in_features, out_features, bits, group_size, bias, dtype)
-        if out_features % 8:
-            raise ValueError(f"out_features ({out_features}) must be a multiple of 8 for the AWQ layout")
-        K, N = in_features, out_features
-        self.qweight = empty_param((K, N // 8), torch.int32)
-        self.qzeros = empty_param((self.groups, N // 8), torch.int32)
-        self.scales = empty_param((self.groups, N), torch.float16)
-
-    def to_kernel_weight(self, dtype):
-        if int4_kernel_fits(self.out_features, self.in_features, self.group_size) is not None:
-            return None
-        return Int4Weight.from_affine(awq_unpack(self.qweight).t(), self.scales, awq_unpack(self.qzeros), dtype)
-
-    def dequantize(self, dtype=torch.float32):
-        return awq_dequantize(self.qweight, self.qzeros, self.scales, self.group_size, dtype).t().contiguous()
-
-
-class Int8Linear(QuantLinear):
-    """int8 weight [N, K] and one fp32 scale per output channel: W ~ weight * weight_scale."""
-
-    SHARDING = {"weight": (0, 1, 1), "weight_scale": (0, 1, 1), "bias": (0, 1, 1)}
-
-    def __init__(self, in_features, out_features, bias=False, dtype=torch.float32):
-        super().__init__(in_features, out_features)
-        self.weight = empty_param((out_features, in_features), torch.int8)
-        self.weight_scale = empty_param((out_features,), torch.float32)
-        self.bias = empty_param((out_features,), dtype) if bias else None
-
-    @classmethod
-    @torch.no_grad()
-    def from_linear(cls, linear: nn.Linear) -> "Int8Linear":
-        """Round to nearest, symmetric: scale = max |w| / 127 per row, q = round(w / scale)."""
-        w = linear.weight.float()
-        m = cls(w.shape[1], w.shape[0], linear.bias is not None, linear.weight.dtype).to(w.device)
-        scale = (w.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
-        m.weight.data.copy_(torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8))
-        m.weight_scale.data.copy_(scale)
-        if linear.bias is not None:
-            m.bias.data.copy_(linear.bias)
-        return m
-
-    def dequantize(self, dtype=torch.float32):
-        return (self.weight.float() * self.weight_scale[:, None]).to(dtype)
-
-    def to_kernel_weight(self, dtype):
-        return Int8Weight(self.weight.data, self.weight_scale, dtype)
-
-    def forward(self, x):
-        if x.is_cuda:  # dequantize on the fly: a dense copy would undo the memory saving
-            return F.linear(x, self.dequantize(x.dtype), self.bias)
         return super().forward(x)

@@ -5,7 +5,9 @@ from __future__ import annotations
 import torch
 
 from llmopt.fp8.linear import Fp8Linear
-from llmopt.layers.quant.linear import AWQLinear, GPTQLinear, QuantLinear
+from llmopt.layers.quant.awq import AWQLinear
+from llmopt.layers.quant.gptq import GPTQLinear
+from llmopt.layers.quant.linear import QuantLinear
 
 
 def make_quant_linear(scheme, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> QuantLinear:
