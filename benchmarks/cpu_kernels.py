@@ -112,7 +112,6 @@ def attention_case(batch: int, context: int, dtype=torch.bfloat16):
     lens = [context + 1] * batch
     b = AttentionMetadata.paged(order.tolist(), [context] * batch, [1] * batch, BLOCK)
     assert b.seq_lens == lens
-    cache.begin_step(b)
     q = torch.randn(batch, HEADS, HEAD_DIM).to(dtype)
     k = torch.randn(batch, KV_HEADS, HEAD_DIM).to(dtype)
     v = torch.randn(batch, KV_HEADS, HEAD_DIM).to(dtype)
@@ -126,7 +125,7 @@ def attention_rows(repeats: int) -> list[dict]:
             cache, b, q, k, v = attention_case(batch, context)
             scale = HEAD_DIM ** -0.5
             kv_bytes = 2 * batch * (context + 1) * KV_HEADS * HEAD_DIM * 2
-            torch_path = timed(lambda: paged_attention_torch(q, k, v, cache, 0, scale), repeats)
+            torch_path = timed(lambda: paged_attention_torch(q, k, v, b, cache, 0, scale), repeats)
             kernel = timed(lambda: paged_attention_cpu(q, cache.k[0], cache.v[0], b.block_table_tensor,
                                                        b.query_start_loc, b.seq_lens_tensor, scale), repeats)
             rows.append({"batch": batch, "context": context, "torch_us": torch_path * 1e6,

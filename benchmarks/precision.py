@@ -128,9 +128,8 @@ class EmulatedFP8KV:
 
     def begin_step(self, meta) -> None:
         self.cache.begin_step(meta)
-        self.metadata = meta
 
-    def store(self, layer, k, v):  # attention reads what this returns: k and v as the pool holds them
+    def store(self, layer, k, v, meta):  # attention reads what this returns: k and v as the pool holds them
         from llmopt.fp8.format import dequantize_fp8, quantize_fp8
 
         ks, vs = self.k_scale[layer][:, None], self.v_scale[layer][:, None]

@@ -124,13 +124,11 @@ def logit_lens(requests: list[BenchRequest], llm, depths: list[int] | None = Non
     agree: dict[int, list[int]] = {}
     for r, o in zip(requests, outs):
         ids = torch.tensor(r.prompt_token_ids + list(o.outputs[0].token_ids))
-        cache = NoKVCache()
-        cache.begin_step(AttentionMetadata.uncached([len(ids)]))
-        positions = cache.metadata.positions
+        cache, meta = NoKVCache(), AttentionMetadata.uncached([len(ids)])
         x = model.model.embed_tokens(ids)
         states = []
         for layer in model.model.layers:
-            x = layer(positions, x, model.model.rotary_emb, cache)
+            x = layer(meta, x, model.model.rotary_emb, cache)
             states.append(x)
         final = model.compute_logits(model.model.norm(states[-1])).argmax(-1)
         for depth, h in enumerate(states, start=1):

@@ -61,10 +61,7 @@ def token_stream(tokenizer, files: list[Path], max_tokens: int, seed: int) -> to
 
 def run_flat(module_forward, batch: int, seq_len: int):
     """Run a module over [batch, seq_len] as independent causal sequences (no cache)."""
-    cache = NoKVCache()
-    cache.begin_step(AttentionMetadata.uncached([seq_len] * batch))
-    positions = cache.metadata.positions
-    return module_forward(positions, cache)
+    return module_forward(AttentionMetadata.uncached([seq_len] * batch), NoKVCache())
 
 
 @torch.no_grad()
@@ -75,7 +72,7 @@ def target_features(target, stream: torch.Tensor, seq_len: int, batch: int = 16,
     for i in range(0, len(seqs), batch):
         ids = seqs[i:i + batch]
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            h = run_flat(lambda pos, c: target(ids.flatten(), pos, c), len(ids), seq_len)
+            h = run_flat(lambda meta, c: target(ids.flatten(), meta, c), len(ids), seq_len)
         out.append(h.view(len(ids), seq_len, -1).to(torch.bfloat16))
     return seqs, torch.cat(out)
 
@@ -83,7 +80,7 @@ def target_features(target, stream: torch.Tensor, seq_len: int, batch: int = 16,
 def head_pass(head, target, ids, prev):
     b, t = ids.shape
     emb = target.model.embed_tokens(ids).flatten(0, 1)
-    return run_flat(lambda pos, c: head(emb, prev.flatten(0, 1), pos, c), b, t).view(b, t, -1)
+    return run_flat(lambda meta, c: head(emb, prev.flatten(0, 1), meta, c), b, t).view(b, t, -1)
 
 
 def shift_right(f: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,7 @@ the map names each such file with its own floor.
 from __future__ import annotations
 
 import ast
+import gc
 import re
 import sys
 from collections import defaultdict
@@ -372,7 +373,7 @@ def test_the_handoff_check_sees_an_engine_object_handed_down():
     for handed in (bm, [bm], {"bm": bm}, bm.allocate):
         assert call(kv_cache_torch_dtype, "auto", handed) == want
     assert call(kv_cache_torch_dtype, "auto", 5) == set()
-    assert call(whole_sequence_attention, None, None, None, NoKVCache(), 0, 1.0) == set()
+    assert call(whole_sequence_attention, None, None, None, None, NoKVCache(), 0, 1.0) == set()
 
 
 def test_no_object_is_handed_to_a_lower_floor():
@@ -405,6 +406,55 @@ def test_no_object_is_handed_to_a_lower_floor_by_speculation_or_grammars():
         del llm
     found |= handoffs(constrained)
     assert sorted(found) == []
+
+
+
+# A step's metadata (which token is whose, where its keys go) is built once per step and passed
+# down, model to layer to attention to cache, as an argument: never parked on a shared object
+# for a lower layer to read back. After engines have run every path, no llmopt object holds one.
+def holders_of_step_metadata() -> set[str]:
+    """The llmopt classes whose objects hold an AttentionMetadata as an attribute, right now."""
+    from llmopt.layers.attention import AttentionMetadata
+
+    def llmopt_owner(ref) -> str | None:
+        kind = type(ref)
+        return kind.__qualname__ if any(c.__module__.startswith("llmopt.") for c in kind.__mro__) else None
+
+    gc.collect()
+    found = set()
+    for meta in (o for o in gc.get_objects() if type(o) is AttentionMetadata):
+        for ref in gc.get_referrers(meta):
+            if isinstance(ref, dict):  # an attribute dict: whose is it?
+                owners = [llmopt_owner(o) for o in gc.get_referrers(ref) if getattr(o, "__dict__", None) is ref]
+            else:                      # an object holding it directly (attributes kept inline)
+                owners = [llmopt_owner(ref)]
+            found |= {o for o in owners if o and o != "AttentionMetadata"}
+    return found
+
+
+def test_no_step_metadata_is_parked_on_an_object():
+    """The compiled and eager engines, and speculation (chain, tree, layer skip), after their
+    steps; and the check itself sees a pool that keeps the metadata it was handed."""
+    from llmopt import LLM, SamplingParams
+    from llmopt.layers.attention import AttentionMetadata
+    from llmopt.worker.kv_cache import NoKVCache
+
+    for args in ({}, {"enforce_eager": True},
+                 {"speculative_config": {"method": "eagle", "num_speculative_tokens": 3,
+                                         "tree": {"top_k": 2, "total_tokens": 8}}},
+                 {"speculative_config": {"method": "layer_skip", "num_speculative_tokens": 2, "exit_layer": 1}}):
+        llm = LLM("tiny", max_model_len=256, num_kv_blocks=64, seed=0, **args)
+        llm.generate(["a prompt", "and another, longer prompt"], SamplingParams(max_tokens=6), use_tqdm=False)
+        assert holders_of_step_metadata() == set(), args
+        del llm
+
+    class KeepsIt(NoKVCache):
+        def begin_step(self, meta):
+            self.metadata = meta
+
+    keeps = KeepsIt()
+    keeps.begin_step(AttentionMetadata.uncached([3]))
+    assert holders_of_step_metadata() == {"test_no_step_metadata_is_parked_on_an_object.<locals>.KeepsIt"}
 
 
 if __name__ == "__main__":

@@ -42,13 +42,13 @@ def keep_stage(model, lo: int, hi: int, first: bool, last: bool) -> None:
         model.lm_head = None
 
 
-def stage_forward(model, input_ids, positions, hidden, kv_cache, first: bool, last: bool):
+def stage_forward(model, input_ids, meta, hidden, kv_cache, first: bool, last: bool):
     """Run this stage's layers: token ids in on the first stage, hidden states otherwise;
     normalized hidden states out on the last stage."""
     inner = model.model
     x = inner.embed_tokens(input_ids) if first else hidden
     for layer in inner.layers:
-        x = layer(positions, x, inner.rotary_emb, kv_cache)
+        x = layer(meta, x, inner.rotary_emb, kv_cache)
     return inner.norm(x) if last else x
 
 

@@ -71,8 +71,7 @@ class Worker:
         attn = AttentionMetadata.paged(meta["tables"], meta["starts"], meta["lens"], self.config.block_size,
                                        self.device)
         ids = torch.tensor(meta["ids"], device=self.device) if g.is_first_stage else None
-        self.kv_cache.begin_step(attn)
-        out = stage_forward(self.model, ids, attn.positions, hidden, self.kv_cache, g.is_first_stage,
+        out = stage_forward(self.model, ids, attn, hidden, self.kv_cache, g.is_first_stage,
                             g.is_last_stage)
         logits = None
         if not g.is_last_stage:

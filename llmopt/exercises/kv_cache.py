@@ -45,8 +45,9 @@ def _case(slots, context_lens, query_lens, seed) -> Case:
     cache.v[0].copy_(before[1])
     for s, c in zip(slots, context_lens):
         cache.lens[s] = c   # what each strip already holds, as begin_step checks
-    cache.begin_step(AttentionMetadata.contiguous(slots, context_lens, query_lens))
-    cache.store(0, k, v)
+    meta = AttentionMetadata.contiguous(slots, context_lens, query_lens)
+    cache.begin_step(meta)
+    cache.store(0, k, v, meta)
 
     def call(fn):
         kc, vc = before[0].clone(), before[1].clone()
@@ -70,8 +71,7 @@ class LearnerKVCache(ContiguousKVCache):
         super().__init__(*args, **kwargs)
         self.store_fn = store_fn
 
-    def store(self, layer, k, v):
-        meta = self.metadata
+    def store(self, layer, k, v, meta):
         self.store_fn(self.k[layer], self.v[layer], k, v, meta.slots, meta.context_lens, meta.query_lens)
 
 

@@ -1,12 +1,11 @@
 """Attention's one home: the cache stores a step's keys and values, attention attends.
 
-Every attention layer calls `attention(q, k, v, kv_cache, layer, ...)`: the cache writes this
-step's new keys and values where its layout keeps them (nowhere, a contiguous strip per
+Every attention layer calls `attention(q, k, v, meta, kv_cache, layer, ...)`: the cache writes
+this step's new keys and values where its layout keeps them (nowhere, a contiguous strip per
 sequence, or the slots of a paged pool), then the new queries attend over everything their
 sequence has so far. `AttentionMetadata` says, once per step, which sequence owns which of
-the flat batch's tokens, and where their keys live (vLLM's attention metadata); the step hands
-it to the cache (`kv_cache.begin_step(meta)`, done by `llmopt.model.forward.run_model`), and
-every layer reads it there.
+the flat batch's tokens, and where their keys live (vLLM's attention metadata); the step
+builds it once and passes it down, model to layer to attention to cache, as an argument.
 
 New queries sit at the end of their sequence: query j of n new tokens has position
 `num_computed + j` and sees every key at or before it (and, with a sliding window,
@@ -108,9 +107,10 @@ def _positions(context_lens, query_lens, device) -> torch.Tensor:
     return torch.tensor(pos, dtype=torch.long, device=device)
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache, layer: int, scale: float,
-              window: int | None = None) -> torch.Tensor:
-    """Store this step's keys and values in `kv_cache`, then attend. q: [T, Hq, D]; k, v: [T, Hkv, D].
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, kv_cache,
+              layer: int, scale: float, window: int | None = None) -> torch.Tensor:
+    """Store this step's keys and values in `kv_cache`, then attend. q: [T, Hq, D]; k, v: [T, Hkv, D];
+    `meta` is the step's layout.
 
     How the cache attends was fixed when it was built (`kv_cache.attend`, one of the functions
     below: whole sequences, contiguous strips, or a paged pool read by torch, the C++ kernel or
@@ -121,44 +121,45 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache, layer
     if r is not None:
         r = r.to(q.dtype)
         q, k, v = q @ r, k @ r, v @ r
-    held = kv_cache.store(layer, k, v)
+    held = kv_cache.store(layer, k, v, meta)
     if held is not None:  # a cache that keeps nothing may hand back what to read instead
         k, v = held
-    out = kv_cache.attend(q, k, v, kv_cache, layer, scale, window)
+    out = kv_cache.attend(q, k, v, meta, kv_cache, layer, scale, window)
     return out if r is None else out @ r.T
 
 
-def whole_sequence_attention(q, k, v, cache, layer: int, scale: float, window=None):
+def whole_sequence_attention(q, k, v, meta, cache, layer: int, scale: float, window=None):
     """Every sequence is whole in this step (no cache): its keys are this step's."""
-    starts = [0, *accumulate(cache.metadata.query_lens)]
+    starts = [0, *accumulate(meta.query_lens)]
     return torch.cat([sequence_attention(q[s:e], k[s:e], v[s:e], scale, window) for s, e in zip(starts, starts[1:])])
 
 
 class KVCache:
-    """What every cache offers the attention layers: the step's metadata, `store`, and how
-    attention reads what it keeps (`attend`). The caches themselves (none, contiguous, paged,
-    MLA's latent pool) live with the pools, in llmopt/worker/kv_cache.py."""
+    """What every cache offers the attention layers: `store`, and how attention reads what it
+    keeps (`attend`), both handed the step's metadata. The caches themselves (none, contiguous,
+    paged, MLA's latent pool) live with the pools, in llmopt/worker/kv_cache.py."""
 
     layout = "none"   # how keys are kept: "none", "contiguous", "paged" (or "latent": MLA)
-    metadata: AttentionMetadata
     rotation: torch.Tensor | None = None   # [D, D] orthogonal: attention hands over k R, v R (PagedKVCache.rotate)
     # how attention reads what this cache keeps: a cache that keeps
     # nothing holds whole sequences, whose keys are the step's own
     attend = staticmethod(whole_sequence_attention)
 
     def begin_step(self, meta: AttentionMetadata) -> None:
-        self.metadata = meta
+        """Account for the step before the model runs (a contiguous cache moves its strips'
+        lengths; a cache that keeps nothing checks the step is whole sequences). Nothing of
+        `meta` is kept: every layer is handed it."""
 
-    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata):
         """Keep this step's new keys and values [num_tokens, Hkv, D] of `layer`. A cache that keeps
         nothing may return the (keys, values) attention should read instead (an emulation of a
         lossy cache does: keys rounded as an FP8 pool would hold them); None: read this step's."""
 
 
-def contiguous_attention(q, k, v, cache, layer: int, scale: float, window=None):
+def contiguous_attention(q, k, v, meta, cache, layer: int, scale: float, window=None):
     """Over the strips K, V [max_seqs, Hkv, max_len, D] of a ContiguousKVCache, which already
     hold this step's keys."""
-    K, V, meta = cache.k[layer], cache.v[layer], cache.metadata
+    K, V = cache.k[layer], cache.v[layer]
     if meta.is_decode:  # every sequence brings one token: attend in one batched call
         idx = torch.tensor(meta.slots, device=K.device)
         lens = torch.tensor(meta.seq_lens, device=K.device)

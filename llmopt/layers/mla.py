@@ -67,7 +67,7 @@ class MLAttention(nn.Module):
         self.kv_b_proj = nn.Linear(m.kv_lora_rank, H * (m.qk_nope_head_dim + m.v_head_dim), bias=False)
         self.o_proj = nn.Linear(H * m.v_head_dim, hidden, bias=attention_bias)
 
-    def forward(self, positions, x, rotary, kv_cache):
+    def forward(self, meta, x, rotary, kv_cache):
         m, H = self.cfg, self.num_heads
         T, R = x.shape[0], m.kv_lora_rank
         if m.q_lora_rank is None:
@@ -80,19 +80,19 @@ class MLAttention(nn.Module):
         k_pe = k_pe.view(T, 1, m.qk_rope_head_dim)
         if m.rope_interleave:
             q_pe, k_pe = deinterleave(q_pe), deinterleave(k_pe)
-        q_pe, k_pe = rotary(positions, q_pe, k_pe)
+        q_pe, k_pe = rotary(meta.positions, q_pe, k_pe)
         # absorb W_UK into the query: [H, nope, R] per head, q_latent = q_nope @ W_UK
         w_kv = self.kv_b_proj.weight.view(H, m.qk_nope_head_dim + m.v_head_dim, R)
         w_uk, w_uv = w_kv[:, :m.qk_nope_head_dim], w_kv[:, m.qk_nope_head_dim:]
         q_latent = torch.einsum("thn,hnr->thr", q_nope, w_uk)
         out_latent = latent_cache_attention(torch.cat([q_latent, q_pe], -1), torch.cat([latent, k_pe[:, 0]], -1),
-                                            kv_cache, self.layer_idx, R, m.softmax_scale)
+                                            meta, kv_cache, self.layer_idx, R, m.softmax_scale)
         # ... and W_UV into the output: each head's R-wide result to its v_head_dim values
         out = torch.einsum("thr,hvr->thv", out_latent, w_uv)
         return self.o_proj(out.reshape(T, H * m.v_head_dim))
 
 
-def latent_cache_attention(q: torch.Tensor, kv: torch.Tensor, kv_cache, layer: int, kv_lora_rank: int,
+def latent_cache_attention(q: torch.Tensor, kv: torch.Tensor, meta, kv_cache, layer: int, kv_lora_rank: int,
                            scale: float) -> torch.Tensor:
     """Store this step's latent rows kv [T, R + r] in the cache, then attend q [T, H, R + r] over
     each sequence's rows -> [T, H, R]. A paged latent pool is read through the block tables
@@ -101,8 +101,7 @@ def latent_cache_attention(q: torch.Tensor, kv: torch.Tensor, kv_cache, layer: i
     if kv_cache.layout not in ("latent", "none"):
         raise TypeError(f"{type(kv_cache).__name__} keeps keys and values per head; an MLA model (DeepSeek) "
                         "needs a latent cache: the paged engine's MLAPagedKVCache, or NoKVCache")
-    meta = kv_cache.metadata
-    kv_cache.store_latent(layer, kv)
+    kv_cache.store_latent(layer, kv, meta)
     if kv_cache.layout == "latent":
         pool = kv_cache.kv[layer]
         if kv_cache.use_triton:

@@ -2,7 +2,7 @@
 
 A paged pool is [num_blocks, block_size, Hkv, D] per layer (llmopt/worker/kv_cache.py); each
 sequence's keys are found through its block table. Three implementations, one signature
-`(q, k, v, cache, layer, scale, window)`, and a pool picks one when it is built
+`(q, k, v, meta, cache, layer, scale, window)`, and a pool picks one when it is built
 (`pick_paged_attention`):
 
     torch   decodes gathered in groups of similar length into one padded batch each (one SDPA
@@ -29,21 +29,19 @@ from llmopt.kernels.paged_attention import paged_attention as paged_attention_tr
 from llmopt.layers.attention import AttentionMetadata, causal_mask, sequence_attention
 
 
-def paged_attention_kernel_cpu(q, k, v, cache, layer: int, scale: float, window=None):
+def paged_attention_kernel_cpu(q, k, v, meta, cache, layer: int, scale: float, window=None):
     """The C++ kernel reads the block tables directly."""
-    meta = cache.metadata
     if meta.tree_masks is not None and (meta.tree_bits is None or window is not None):  # step choice: attention
-        return paged_attention_torch(q, k, v, cache, layer, scale, window)
+        return paged_attention_torch(q, k, v, meta, cache, layer, scale, window)
     return paged_attention_cpu(q, cache.k[layer], cache.v[layer], meta.block_table_tensor, meta.query_start_loc,
                                meta.seq_lens_tensor, scale, window, cache.k_scale[layer], cache.v_scale[layer],
                                tree_bits=meta.tree_bits)
 
 
-def paged_attention_kernel_triton(q, k, v, cache, layer: int, scale: float, window=None):
+def paged_attention_kernel_triton(q, k, v, meta, cache, layer: int, scale: float, window=None):
     """The Triton kernels read the block tables directly."""
-    meta = cache.metadata
     if meta.tree_masks is not None and (meta.tree_bits is None or window is not None):  # step choice: attention
-        return paged_attention_torch(q, k, v, cache, layer, scale, window)
+        return paged_attention_torch(q, k, v, meta, cache, layer, scale, window)
     return paged_attention_triton(q, cache.k[layer], cache.v[layer], meta.block_table_tensor, meta.query_start_loc,
                                   meta.seq_lens_tensor, scale, window, max_query_len=max(meta.query_lens),
                                   k_scale=cache.k_scale[layer], v_scale=cache.v_scale[layer],
@@ -66,11 +64,11 @@ def pick_paged_attention(device, dtype: torch.dtype, cache_dtype: torch.dtype, h
     return "cpu" if usable and cpu.available() else "torch"
 
 
-def paged_attention_torch(q, k, v, cache, layer: int, scale: float, window=None):
+def paged_attention_torch(q, k, v, meta, cache, layer: int, scale: float, window=None):
     """The torch path: decodes gathered in groups of similar length into one padded batch each
     (one SDPA call per group), prompts and chunks one at a time; draft trees under their masks.
     It is the kernels' reference too."""
-    K, V, ks, vs, meta = cache.k[layer], cache.v[layer], cache.k_scale[layer], cache.v_scale[layer], cache.metadata
+    K, V, ks, vs = cache.k[layer], cache.v[layer], cache.k_scale[layer], cache.v_scale[layer]
     block_size = cache.block_size
     if meta.tree_masks is not None:  # step choice: attention (a draft tree's masks)
         return paged_masked_attention(q, K, V, ks, vs, meta, block_size, scale, window)

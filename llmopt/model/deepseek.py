@@ -42,8 +42,8 @@ class DeepseekV3DecoderLayer(nn.Module):
         else:
             self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, positions, x, rotary, kv_cache):
-        x = x + self.self_attn(positions, self.input_layernorm(x), rotary, kv_cache)
+    def forward(self, meta, x, rotary, kv_cache):
+        x = x + self.self_attn(meta, self.input_layernorm(x), rotary, kv_cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 

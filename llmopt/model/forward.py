@@ -1,8 +1,8 @@
 """Running a model over one step's flat batch: every forward loop in llmopt goes through here.
 
 The step's `AttentionMetadata` (llmopt.layers.attention) says which sequence owns which new
-token and where its keys and values are kept; the cache is handed it first, then the model
-runs once over all new tokens (`input_ids` [num_tokens], their positions from the metadata).
+token and where its keys and values are kept; the cache accounts for the step first, then the
+model runs once over all new tokens (`input_ids` [num_tokens]), `meta` passed to every layer.
 """
 
 from __future__ import annotations
@@ -15,4 +15,4 @@ def run_model(model, kv_cache, input_ids, meta) -> torch.Tensor:
     if not isinstance(input_ids, torch.Tensor):
         input_ids = torch.tensor(input_ids, dtype=torch.long, device=meta.positions.device)
     kv_cache.begin_step(meta)
-    return model(input_ids, meta.positions, kv_cache)
+    return model(input_ids, meta, kv_cache)

@@ -3,9 +3,9 @@
     tokens -> embed -> N x [RMSNorm -> attention (RoPE, GQA) -> + residual
                             RMSNorm -> SwiGLU MLP           -> + residual] -> RMSNorm -> lm_head
 
-The forward works on a flat batch: `input_ids` and `positions` are 1-D over all new
-tokens of all sequences in the step, and the KV cache holds the step's metadata (which
-tokens belong to which sequence; llmopt.layers.attention). q/k/v are one fused matmul, and gate/up another (as vLLM does): fewer,
+The forward works on a flat batch: `input_ids` is 1-D over all new tokens of all sequences
+in the step, and the step's metadata (which tokens belong to which sequence, their positions,
+where their keys go; llmopt.layers.attention) is passed down to every layer. q/k/v are one fused matmul, and gate/up another (as vLLM does): fewer,
 larger matmuls are faster on every device; the loader splices the checkpoint's
 separate q_proj/k_proj/v_proj and gate_proj/up_proj into them.
 """
@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmopt.layers.attention import attention
+from llmopt.layers.attention import AttentionMetadata, attention
 from llmopt.layers.norm import RMSNorm
 from llmopt.layers.rotary import RotaryEmbedding
 from llmopt.model.config import ModelConfig
@@ -35,13 +35,13 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
 
-    def forward(self, positions, x, rotary: RotaryEmbedding, kv_cache):
+    def forward(self, meta: AttentionMetadata, x, rotary: RotaryEmbedding, kv_cache):
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = rotary(positions, q, k)
-        out = attention(q, k, v, kv_cache, self.layer_idx, self.scale, self.window)
+        q, k = rotary(meta.positions, q, k)
+        out = attention(q, k, v, meta, kv_cache, self.layer_idx, self.scale, self.window)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
@@ -66,8 +66,8 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = LlamaMLP(cfg)
 
-    def forward(self, positions, x, rotary, kv_cache):
-        x = x + self.self_attn(positions, self.input_layernorm(x), rotary, kv_cache)
+    def forward(self, meta, x, rotary, kv_cache):
+        x = x + self.self_attn(meta, self.input_layernorm(x), rotary, kv_cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -99,13 +99,13 @@ class CausalLM(nn.Module):
         if cfg.tie_word_embeddings:  # one matrix reads tokens in and scores them out
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache) -> torch.Tensor:
-        """Hidden states [num_tokens, hidden] for a flat batch of new tokens."""
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_cache) -> torch.Tensor:
+        """Hidden states [num_tokens, hidden] for a flat batch of new tokens laid out by `meta`."""
         stack = self.model
         stack.rotary_emb.new_step()
         x = stack.embed_tokens(input_ids)
         for layer in stack.layers:
-            x = layer(positions, x, stack.rotary_emb, kv_cache)
+            x = layer(meta, x, stack.rotary_emb, kv_cache)
         return stack.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

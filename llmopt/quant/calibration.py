@@ -59,24 +59,21 @@ class BlockInputs:
         self.model = model
         device = model.model.embed_tokens.weight.device
         self.cache = NoKVCache()          # every window is a whole sequence: no cache needed
-        self.cache.begin_step(AttentionMetadata.uncached([seq_len] * n, device))
-        self.positions = self.cache.metadata.positions
+        self.seq_len, self.meta = seq_len, AttentionMetadata.uncached([seq_len] * n, device)
         with torch.no_grad():
             self.hidden = model.model.embed_tokens(windows.flatten().to(device))
 
     @torch.no_grad()
     def run(self, layer, x: torch.Tensor | None = None) -> torch.Tensor:
-        return layer(self.positions, self.hidden if x is None else x, self.model.model.rotary_emb, self.cache)
+        return layer(self.meta, self.hidden if x is None else x, self.model.model.rotary_emb, self.cache)
 
     @torch.no_grad()
     def attention(self, layer, normed: torch.Tensor) -> torch.Tensor:
         """The block's attention (q/k/v, attention, o) on already-normed inputs of the first
         len(normed) / seq_len windows."""
-        seq_len = self.cache.metadata.query_lens[0]
-        n = normed.shape[0] // seq_len
-        cache = NoKVCache()
-        cache.begin_step(AttentionMetadata.uncached([seq_len] * n, normed.device))
-        return layer.self_attn(self.positions[:n * seq_len], normed, self.model.model.rotary_emb, cache)
+        n = normed.shape[0] // self.seq_len
+        meta = AttentionMetadata.uncached([self.seq_len] * n, normed.device)
+        return layer.self_attn(meta, normed, self.model.model.rotary_emb, NoKVCache())
 
     @torch.no_grad()
     def capture(self, layer, names: list[str]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:

@@ -52,10 +52,10 @@ class EagleHead(nn.Module):
         self.draft_vocab: torch.Tensor | None = None  # token ids it drafts from (None: all)
 
     def forward(self, token_embeds: torch.Tensor, prev_features: torch.Tensor,
-                positions: torch.Tensor, kv_cache) -> torch.Tensor:
-        """Predicted target features [n, hidden] for a flat batch of n positions."""
+                meta, kv_cache) -> torch.Tensor:
+        """Predicted target features [n, hidden] for a flat batch of n positions laid out by `meta`."""
         x = self.fc(torch.cat([token_embeds, prev_features], dim=-1))
-        x = self.layers[0](positions, x, self.rotary_emb, kv_cache)
+        x = self.layers[0](meta, x, self.rotary_emb, kv_cache)
         return self.norm(x)
 
     # the loader's names for fused q/k/v and gate/up are the decoder's

@@ -54,12 +54,12 @@ class LayerSkipProposer:
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         pass  # its KV lives in the target's pool, copied already
 
-    def _draft_logits(self, ids: torch.Tensor, positions: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+    def _draft_logits(self, ids: torch.Tensor, meta: AttentionMetadata, last: torch.Tensor) -> torch.Tensor:
         """The first exit_layer layers, then the target's final norm and head."""
         m = self.target.model
         x = m.embed_tokens(ids)
         for layer in m.layers[:self.exit_layer]:
-            x = layer(positions, x, m.rotary_emb, self.kv_cache)
+            x = layer(meta, x, m.rotary_emb, self.kv_cache)
         return self.target.compute_logits(m.norm(x[last]))
 
     @torch.inference_mode()
@@ -76,9 +76,7 @@ class LayerSkipProposer:
             meta = AttentionMetadata.paged([tables[i] for i in active], [starts[i] for i in active],
                                            [1] * len(active), bs, self.device)
             ids = torch.tensor([feeds[i][0] for i in active], device=self.device)
-            self.kv_cache.begin_step(meta)
-            positions = meta.positions
-            logits = self._draft_logits(ids, positions, torch.arange(len(active), device=self.device))
+            logits = self._draft_logits(ids, meta, torch.arange(len(active), device=self.device))
             for row, i in enumerate(active):
                 seq = seqs[i]
                 if seq.params.greedy:

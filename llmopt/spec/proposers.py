@@ -109,15 +109,14 @@ class _ModelProposer:
             self.compiled_stack = stack  # (a capture of these layers: not of a model swapped in later)
         return reason
 
-    def _compiled_runs(self) -> bool:
-        meta = self.kv_cache.metadata
+    def _compiled_runs(self, meta: AttentionMetadata) -> bool:
         return (self.compiled is not None and self._stack() is self.compiled_stack
                 and (meta.tree_masks is None or meta.tree_bits is not None))
 
-    def _run_compiled(self, x: torch.Tensor) -> torch.Tensor:
-        """The proposer's decoder layers on x in one C++ call (the step's metadata is the pool's)."""
+    def _run_compiled(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The proposer's decoder layers on x, laid out by `meta`, in one C++ call."""
         h = x.contiguous().clone()
-        self.compiled.run(h, self.kv_cache.metadata)
+        self.compiled.run(h, meta)
         return h
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
@@ -151,10 +150,8 @@ class _ModelProposer:
             meta = AttentionMetadata.paged([tables[i] for i in active], [starts[i] for i in active],
                                            [len(feeds[i]) for i in active], bs, self.device)
             ids = torch.tensor([t for i in active for t in feeds[i]], device=self.device)
-            self.kv_cache.begin_step(meta)
-            positions = meta.positions
             last = torch.cumsum(torch.tensor([len(feeds[i]) for i in active], device=self.device), 0) - 1
-            logits, prev = self.draft_forward(ids, positions, [seqs[i] for i in active], starts, active, prev, last,
+            logits, prev = self.draft_forward(ids, meta, [seqs[i] for i in active], starts, active, prev, last,
                                               block_tables)
             for row, i in enumerate(active):
                 token, q = self._pick(logits[row], seqs[i])
@@ -190,14 +187,14 @@ class DraftModelProposer(_ModelProposer):
     def _stack(self):
         return getattr(self.model, "model", None)
 
-    def draft_forward(self, ids, positions, seqs, starts, active, prev, last, block_tables):
-        """One draft forward over `ids`, the new tokens of `seqs`; returns the logits at rows `last`
-        and what the next call takes as `prev`."""
-        if self._compiled_runs():
+    def draft_forward(self, ids, meta, seqs, starts, active, prev, last, block_tables):
+        """One draft forward over `ids`, the new tokens of `seqs` laid out by `meta`; returns the
+        logits at rows `last` and what the next call takes as `prev`."""
+        if self._compiled_runs(meta):
             stack = self.model.model
-            hidden = stack.norm(self._run_compiled(stack.embed_tokens(ids)))
+            hidden = stack.norm(self._run_compiled(stack.embed_tokens(ids), meta))
         else:
-            hidden = self.model(ids, positions, self.kv_cache)
+            hidden = self.model(ids, meta, self.kv_cache)
         return self.model.compute_logits(hidden[last]), None
 
     def _fed_after(self, seq: Sequence, drafts: list[int]) -> list[int]:
@@ -249,7 +246,7 @@ class EagleProposer(_ModelProposer):
         """After a target forward (a StepOutput): keep the features of every token it computed."""
         self.features[step.slot_mapping] = step.hidden.to(self.dtype)
 
-    def draft_forward(self, ids, positions, seqs, starts, active, prev, last, block_tables):
+    def draft_forward(self, ids, meta, seqs, starts, active, prev, last, block_tables):
         if prev is None:  # catch-up: true features of positions p-1, from their slots
             slots = []
             for s, i in zip(seqs, active):
@@ -261,16 +258,16 @@ class EagleProposer(_ModelProposer):
             prev_features[slots < 0] = 0
         else:  # drafting: the head's own predicted feature of the previous position
             prev_features = prev
-        feats = self.head_forward(ids, prev_features, positions)[last]
+        feats = self.head_forward(ids, prev_features, meta)[last]
         return self.draft_logits(feats), feats
 
-    def head_forward(self, ids: torch.Tensor, prev_features: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def head_forward(self, ids: torch.Tensor, prev_features: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The head's predicted features (spec/eagle.py's forward), its layer compiled when it can be."""
         head = self.head
         x = head.fc(torch.cat([self.target.model.embed_tokens(ids), prev_features], dim=-1))
-        if self._compiled_runs() and x.dtype == self.dtype:
-            return head.norm(self._run_compiled(x))
-        return head.norm(head.layers[0](positions, x, head.rotary_emb, self.kv_cache))
+        if self._compiled_runs(meta) and x.dtype == self.dtype:
+            return head.norm(self._run_compiled(x, meta))
+        return head.norm(head.layers[0](meta, x, head.rotary_emb, self.kv_cache))
 
     def _stack(self):
         return self.head

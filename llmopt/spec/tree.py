@@ -86,10 +86,9 @@ def draft_trees(proposer, seqs: list[Sequence], depths: list[int], top_k: int, b
     starts = [proposer.valid_prefix(s) for s in seqs]
     feeds = [s.token_ids[v:] for s, v in zip(seqs, starts)]
     meta = AttentionMetadata.paged(tables, starts, [len(f) for f in feeds], bs, dev)
-    proposer.kv_cache.begin_step(meta)
     last = torch.cumsum(torch.tensor([len(f) for f in feeds], device=dev), 0) - 1
     ids = torch.tensor([t for f in feeds for t in f], device=dev)
-    logits, feats = proposer.draft_forward(ids, meta.positions, seqs, starts, list(range(len(seqs))), None, last,
+    logits, feats = proposer.draft_forward(ids, meta, seqs, starts, list(range(len(seqs))), None, last,
                                            block_tables)
     for s in seqs:
         proposer.fed[s.request_id] = (s.num_preemptions, list(s.token_ids))
@@ -116,8 +115,7 @@ def draft_trees(proposer, seqs: list[Sequence], depths: list[int], top_k: int, b
                                            for x in mask_bits(m[:, len(seqs[b]):])], device=dev)
         ids = torch.tensor([tokens[b][n] for b in active for n in fronts[b]], device=dev)
         prev = torch.stack([node_feats[b, parents[b][n]] for b in active for n in fronts[b]])
-        proposer.kv_cache.begin_step(meta)
-        out = proposer.head_forward(ids, prev, meta.positions)
+        out = proposer.head_forward(ids, prev, meta)
         top = proposer.draft_logits(out).log_softmax(-1).topk(K, dim=-1)
         for a, b in enumerate(active):
             fed[b] += fronts[b]

@@ -156,7 +156,7 @@ class _KVRecorder(NoKVCache):
     def __init__(self, layer: int):
         self.layer, self.k, self.v = layer, None, None
 
-    def store(self, layer, k, v):
+    def store(self, layer, k, v, meta):
         if layer == self.layer:
             self.k, self.v = k.detach().clone(), v.detach().clone()
 

@@ -139,7 +139,6 @@ class CompiledLayers:
             for i, (layer, ls) in enumerate(zip(layers, linears))]
 
     def run(self, h: torch.Tensor, meta: AttentionMetadata) -> None:
-        self.kv_cache.begin_step(meta)
         cos = self.rotary.cos[meta.positions].to(self.dtype).contiguous()
         ssin = self.rotary.signed_sin[meta.positions].to(self.dtype).contiguous()
         tree = self.no_tree if meta.tree_bits is None else meta.tree_bits

@@ -126,8 +126,7 @@ class GraphedDecode(StepBackend):
             self._refresh_lists(self.metas[b], meta, B, b)
         hidden = self.replays[b]()
         self.replayed[b] += 1
-        self.kv_cache.begin_step(meta)  # what the step was, for whoever reads the pool's metadata next
-        return hidden[:B].clone()       # the graph's output buffer is overwritten by the next replay
+        return hidden[:B].clone()  # the graph's output buffer is overwritten by the next replay
 
     def _fill(self, input_ids, meta, B, b) -> None:
         """The step into the buffers' first B rows; rows B..b copy row 0 (see the module's note)."""

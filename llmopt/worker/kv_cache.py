@@ -11,8 +11,9 @@ and values (`store`), then read them back, however the cache lays them out:
   block * block_size + offset, found through its sequence's block table.
 
 A step's batch is flattened: the new tokens of all sequences one after another, as vLLM
-lays them out; `begin_step(meta)` hands the cache the step's `AttentionMetadata`, which says
-which sequence owns which tokens and where they go.
+lays them out; the step's `AttentionMetadata`, which says which sequence owns which tokens
+and where they go, is handed to every `store` (and `begin_step(meta)` lets a cache account
+for the step first).
 
 The paged cache can also store its blocks in FP8 (`kv_cache_dtype="fp8"`): one byte per
 number instead of two (bf16) or four (fp32), so the same memory holds 2x (or 4x) the
@@ -45,9 +46,8 @@ class NoKVCache(KVCache):
         if any(meta.context_lens):
             raise ValueError("a NoKVCache step holds whole sequences: context_lens must be 0 "
                              "(use AttentionMetadata.uncached)")
-        self.metadata = meta
 
-    def store_latent(self, layer: int, kv: torch.Tensor) -> None:
+    def store_latent(self, layer: int, kv: torch.Tensor, meta: AttentionMetadata) -> None:
         """MLA's latent rows (llmopt/layers/mla.py): kept nowhere either."""
 
 
@@ -90,15 +90,16 @@ class ContiguousKVCache(KVCache):
             if c + n > self.max_len:
                 raise RuntimeError(f"slot {s} would hold {c + n} tokens; it has room for {self.max_len}")
             self.lens[s] = c + n
-        self.metadata = meta
-        self._decode_index = torch.tensor(meta.slots, device=self.k[0].device)
-        self._decode_pos = torch.tensor(meta.context_lens, device=self.k[0].device)
 
-    def store(self, layer, k, v):
-        K, V, meta = self.k[layer], self.v[layer], self.metadata
+    def store(self, layer, k, v, meta):
+        K, V = self.k[layer], self.v[layer]
         if meta.is_decode:  # one token per sequence: one indexed write for all of them
-            K[self._decode_index, :, self._decode_pos] = k
-            V[self._decode_index, :, self._decode_pos] = v
+            if "contiguous" not in meta.plans:  # built by the first layer, used by every layer
+                meta.plans["contiguous"] = (torch.tensor(meta.slots, device=K.device),
+                                            torch.tensor(meta.context_lens, device=K.device))
+            index, pos = meta.plans["contiguous"]
+            K[index, :, pos] = k
+            V[index, :, pos] = v
             return
         start = 0
         for slot, c, n in zip(meta.slots, meta.context_lens, meta.query_lens):
@@ -196,10 +197,10 @@ class PagedKVCache(KVCache):
             raise ValueError(f"paged attention {name!r}: allowed {', '.join(map(repr, PAGED_ATTENTION))}")
         self.attention, self.attend = name, PAGED_ATTENTION[name]
 
-    def store(self, layer, k, v):
+    def store(self, layer, k, v, meta):
         if self.k_shift is not None:  # smoothed keys: what the pool holds is k - shift
             k = k - self.k_shift[layer].to(k.dtype)
-        write_kv(k, v, self.k[layer], self.v[layer], self.metadata.slot_mapping,
+        write_kv(k, v, self.k[layer], self.v[layer], meta.slot_mapping,
                  self.k_scale[layer], self.v_scale[layer])
 
     # -- FP8 scales ----------------------------------------------------------------------------
@@ -303,7 +304,7 @@ class KVAmaxObserver(NoKVCache):
         self.k_sum: list = [0.0] * num_layers   # for the mean key (smoothing)
         self.count = 0
 
-    def store(self, layer, k, v):
+    def store(self, layer, k, v, meta):
         self.k_sum[layer] = self.k_sum[layer] + k.float().sum(0)
         if layer == 0:
             self.count += k.shape[0]  # tokens seen, over every run through this observer

@@ -53,9 +53,9 @@ class MLAPagedKVCache(KVCache):
         for pool in self.kv:
             pool[dst] = pool[src]
 
-    def store(self, layer, k, v):
+    def store(self, layer, k, v, meta):
         raise TypeError("an MLA pool holds latent rows, not keys and values: the model's attention "
                         "must call store_latent (llmopt/layers/mla.py)")
 
-    def store_latent(self, layer: int, kv: torch.Tensor) -> None:
-        write_latent(kv, self.kv[layer], self.metadata.slot_mapping)
+    def store_latent(self, layer: int, kv: torch.Tensor, meta) -> None:
+        write_latent(kv, self.kv[layer], meta.slot_mapping)

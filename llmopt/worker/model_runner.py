@@ -43,8 +43,7 @@ class StepBackend:
         self.path = f"eager ({reason})"
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        self.kv_cache.begin_step(meta)  # (llmopt.model.forward.run_model, inlined: the step's one walk)
-        return self.model(input_ids, meta.positions, self.kv_cache)
+        return self.model(input_ids, meta, self.kv_cache)  # (a paged pool needs no begin_step)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.compute_logits(hidden)

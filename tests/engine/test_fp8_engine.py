@@ -64,29 +64,25 @@ def test_torch_path_over_fp8_pool_equals_reference(fp8):
         T = sum(query_lens)
         q = torch.randn(T, Hkv * G, D, generator=g)
         k, v = torch.randn(T, Hkv, D, generator=g) * 3, torch.randn(T, Hkv, D, generator=g) * 0.5
-        cache.begin_step(batch)
         return batch, q, k, v
 
     tables = [perm[0:3], perm[3:6], perm[6:9]]
     step1 = step([13, 20, 4], [0, 0, 0], tables)
-    attention(*step1[1:], cache, 0, scale=D ** -0.5)
+    attention(*step1[1:], step1[0], cache, 0, scale=D ** -0.5)
     batch, q, k, v = step([11, 5, 1], [0, 13, 20], [perm[9:11], tables[0], tables[1]])
     cache.use_attention("torch")  # the torch path first; the C++ kernel after the Triton one
     for window in (None, 5):
-        cache.begin_step(batch)
-        got = attention(q, k, v, cache, 0, scale=D ** -0.5, window=window)
+        got = attention(q, k, v, batch, cache, 0, scale=D ** -0.5, window=window)
         want = paged_attention_ref(q, cache.k[0], cache.v[0], batch.block_table_tensor,
                                    batch.query_start_loc, batch.seq_lens_tensor, D ** -0.5, window,
                                    k_scale=0.02, v_scale=0.005)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
         # the Triton kernels (as the cache calls them on CUDA; here under the interpreter), same answer
         cache.use_attention("triton")
-        cache.begin_step(batch)
-        torch.testing.assert_close(attention(q, k, v, cache, 0, scale=D ** -0.5, window=window), want,
+        torch.testing.assert_close(attention(q, k, v, batch, cache, 0, scale=D ** -0.5, window=window), want,
                                    atol=1e-4, rtol=1e-4)
         cache.use_attention("cpu")  # the C++ kernel (where it cannot build, its wrapper runs the reference)
-        cache.begin_step(batch)
-        torch.testing.assert_close(attention(q, k, v, cache, 0, scale=D ** -0.5, window=window), want,
+        torch.testing.assert_close(attention(q, k, v, batch, cache, 0, scale=D ** -0.5, window=window), want,
                                    atol=1e-4, rtol=1e-4)
         cache.use_attention("torch")
     # what the pool holds for this step's tokens is fp8(clamp(k / k_scale)), byte for byte

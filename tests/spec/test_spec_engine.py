@@ -119,8 +119,8 @@ class Scripted(torch.nn.Module):
         self.config = SimpleNamespace(num_hidden_layers=1, num_key_value_heads=1, head_dim=16,
                                       vocab_size=vocab)
 
-    def forward(self, input_ids, positions, kv_cache):
-        return positions.float()[:, None]
+    def forward(self, input_ids, meta, kv_cache):
+        return meta.positions.float()[:, None]
 
     def compute_logits(self, hidden):
         nxt = torch.tensor([self.script[int(p) + 1] for p in hidden[:, 0]])

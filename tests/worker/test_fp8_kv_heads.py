@@ -22,7 +22,7 @@ class EmulatedFP8KV(NoKVCache):
     def __init__(self, k_scale, v_scale, k_shift=None):
         self.k_scale, self.v_scale, self.k_shift = k_scale, v_scale, k_shift
 
-    def store(self, layer, k, v):  # attention reads what this returns: k and v as the pool holds them
+    def store(self, layer, k, v, meta):  # attention reads what this returns: k and v as the pool holds them
         ks, vs = self.k_scale[layer], self.v_scale[layer]
         if self.k_shift is not None:
             k = k - self.k_shift[layer]

@@ -23,7 +23,7 @@ class EmulatedRotatedFP8KV(NoKVCache):
     def __init__(self, rotation, k_scale, v_scale):
         self.r, self.k_scale, self.v_scale = rotation, k_scale, v_scale
 
-    def store(self, layer, k, v):
+    def store(self, layer, k, v, meta):
         def rounded(x, s):
             return dequantize_fp8(quantize_fp8(x @ self.r, s), s, x.dtype) @ self.r.T
         return rounded(k, self.k_scale[layer]), rounded(v, self.v_scale[layer])

@@ -31,8 +31,7 @@ def test_torch_path_equals_reference_on_a_mixed_batch():
     k, v = torch.randn(T, Hkv, D, generator=g), torch.randn(T, Hkv, D, generator=g)
     for window, kernel in ((None, "torch"), (5, "torch"), (None, "cpu"), (5, "cpu")):
         cache.use_attention(kernel)
-        cache.begin_step(batch)
-        got = attention(q, k, v, cache, 0, scale=D ** -0.5, window=window)
+        got = attention(q, k, v, batch, cache, 0, scale=D ** -0.5, window=window)
         want = paged_attention_ref(q, cache.k[0], cache.v[0], batch.block_table_tensor,
                                    batch.query_start_loc, batch.seq_lens_tensor, D ** -0.5, window)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
@@ -57,8 +56,7 @@ def test_stale_nan_slots_never_reach_a_request():
     q = torch.randn(2, Hkv * G, D, generator=g)
     k, v = torch.randn(2, Hkv, D, generator=g), torch.randn(2, Hkv, D, generator=g)
     cache.use_attention("torch")  # the torch path (the C++ kernel's NaN test is tests/kernels/test_cpu_kernels.py)
-    cache.begin_step(batch)
-    got = attention(q, k, v, cache, 0, scale=D ** -0.5)
+    got = attention(q, k, v, batch, cache, 0, scale=D ** -0.5)
     assert torch.isfinite(got).all()
     want = paged_attention_ref(q, cache.k[0], cache.v[0], batch.block_table_tensor,
                                batch.query_start_loc, batch.seq_lens_tensor, D ** -0.5)
