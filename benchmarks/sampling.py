@@ -3,7 +3,8 @@
 The textbook sampler (the one every tutorial writes, and llmopt's own before): sort each row of
 logits, softmax, cut the nucleus with a cumulative sum, scatter back, draw with torch.multinomial.
 On SmolLM2's 49,152-token vocabulary that sort and that draw cost more than a Q8_0 decode step.
-llmopt's sampler (llmopt/layers/sampler.py) keeps the same distribution: it looks at the 128 (then
+llmopt's CPU sampler (llmopt/layers/sampler_cpu.py, beside the plain llmopt/layers/sampler.py)
+keeps the same distribution: it looks at the 128 (then
 2,048) largest logits before sorting a whole row, draws by a two-level inverse CDF, and keeps the
 exps of a low temperature's far tail out of subnormal floats (x86's slow path). The logits
 are SmolLM2's own over 512 tokens of held-out text (teacher-forced), so the nuclei have the sizes
@@ -27,7 +28,7 @@ from llmopt import LLM, SamplingParams
 from llmopt.bench import heldout_tokens
 from llmopt.bench.common import cpu_name
 from llmopt.layers.attention import AttentionMetadata
-from llmopt.layers.sampler import sample
+from llmopt.layers.sampler_cpu import sample
 from llmopt.model.forward import run_model
 from llmopt.worker.kv_cache import NoKVCache
 

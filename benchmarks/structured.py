@@ -3,7 +3,7 @@
 1. Validity: chat requests sampled at temperature 1 under three JSON schemas; the share of
    outputs that parse and validate against their schema (jsonschema), and how many ended.
 2. Mask cost: the time to fill one request's bitmask (xgrammar) and apply it to the logits
-   (llmopt/layers/sampler.py), as a share of a batch-1 decode step measured in the same run.
+   (llmopt/structured/bitmask.py), as a share of a batch-1 decode step measured in the same run.
 3. Jump-forward: a schema-heavy workload (many fixed keys, enums, booleans), end to end, with
    and without jump-forward, same requests, same seeds; and the decode steps it saved.
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from llmopt.exercises.base import Case, Exercise
-from llmopt.layers.sampler import draw_token
+from llmopt.layers.sampler_cpu import draw_token
 from llmopt.spec.rejection_sampler import rejection_sample
 
 

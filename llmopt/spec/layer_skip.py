@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from llmopt.layers.attention import AttentionMetadata
-from llmopt.layers.sampler import draw_token, greedy_tokens, sampling_probs
+from llmopt.layers.sampler_cpu import draw_token, greedy_tokens, sampling_probs
 from llmopt.sequence import Sequence
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from llmopt.layers.sampler import draw_token, greedy_tokens
+from llmopt.layers.sampler_cpu import draw_token, greedy_tokens
 
 
 def rejection_sample(target_probs: torch.Tensor, draft_probs: torch.Tensor | None,

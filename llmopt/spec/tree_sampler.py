@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from llmopt.layers.sampler import draw_token, greedy_tokens
+from llmopt.layers.sampler_cpu import draw_token, greedy_tokens
 
 
 def tree_rejection_sample(target_probs: torch.Tensor, draft_tokens: list[int], parents: list[int],

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from llmopt.layers import sampler as plain_sampler
 from llmopt.worker.compiled_decode import CompiledDecode, why_not
 from llmopt.worker.cuda_graphs import GraphedDecode, why_not_graphs
 from llmopt.worker.model_runner import StepBackend
@@ -27,8 +28,8 @@ def choose_step_backend(model, kv_cache, device, enforce_eager: bool = False, pa
     vLLM's enforce_eager: False runs the steps compiled (one C++ call on the CPU, CUDA graphs on a
     GPU, with buffers for max_num_seqs sequences of max_blocks_per_seq blocks) where they can run
     this model and pool."""
-    if enforce_eager:
-        return StepBackend(model, kv_cache, "enforce_eager=True")
+    if enforce_eager:  # the plain sampler too (llmopt/layers/sampler.py): nothing tuned in the step
+        return StepBackend(model, kv_cache, "enforce_eager=True", sampler=plain_sampler)
     if parallel:
         return StepBackend(model, kv_cache, "tensor/pipeline parallel ranks")
     if torch.device(device).type == "cuda":

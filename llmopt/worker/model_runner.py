@@ -21,7 +21,8 @@ from dataclasses import dataclass
 import torch
 
 from llmopt.layers.attention import AttentionMetadata, slots_of
-from llmopt.layers.sampler import hold_back_stop_tokens, sample, sampling_probs, top_logprobs
+from llmopt.layers import sampler_cpu
+from llmopt.layers.sampler import hold_back_stop_tokens, top_logprobs
 from llmopt.sequence import Sequence
 from llmopt.spec.draft_tree import accepted_slot_moves, add_tree_layout, move_slots
 from llmopt.spec.rejection_sampler import rejection_sample
@@ -33,14 +34,20 @@ from llmopt.worker.kv_cache import PagedKVCache
 class StepBackend:
     """How the engine's steps run, chosen once when it is built (llmopt/worker/backends.py).
     `forward(input_ids, meta)`: hidden states [num_tokens, hidden] of the step `meta`;
-    `compute_logits(hidden)`: the model's head over them; `path`: what `LLMEngine.decode_path`
-    reports. This base runs the model eagerly, op by op: the reference the others are tested
-    against (CompiledDecode, GraphedDecode), and the forward they fall back to for a step they
-    cannot take. With enforce_eager=True the pool's attention is plain torch too."""
+    `compute_logits(hidden)`: the model's head over them; `sampler`: the module whose `sample`
+    and `sampling_probs` turn them into tokens (llmopt/layers/sampler.py, plain, or its CPU
+    tricks, llmopt/layers/sampler_cpu.py); `path`: what `LLMEngine.decode_path` reports. This
+    base runs the model eagerly, op by op: the reference the others are tested against
+    (CompiledDecode, GraphedDecode), and the forward they fall back to for a step they cannot
+    take. With enforce_eager=True the pool's attention and the sampler are plain torch too."""
 
-    def __init__(self, model, kv_cache, reason: str = "chosen by the caller"):
+    sampler = sampler_cpu
+
+    def __init__(self, model, kv_cache, reason: str = "chosen by the caller", sampler=None):
         self.model, self.kv_cache = model, kv_cache
         self.path = f"eager ({reason})"
+        if sampler is not None:
+            self.sampler = sampler
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, meta, self.kv_cache)  # (a paged pool needs no begin_step)
@@ -154,7 +161,7 @@ class ModelRunner:
             allowed = apply_token_bitmask(allowed, *grammar_bitmask)
         tokens = {}
         if plain:
-            picked = sample(allowed[[firsts[i] for i in plain]], [rows[i].params for i in plain],
+            picked = self.backend.sampler.sample(allowed[[firsts[i] for i in plain]], [rows[i].params for i in plain],
                             [rows[i].generator for i in plain])
             tokens.update({i: [t] for i, t in zip(plain, picked.tolist())})
         emit_rows = {}  # a tree's emitted tokens come from the rows of its accepted path
@@ -182,7 +189,7 @@ class ModelRunner:
         """Speculative decoding's check: the target's distributions at the k + 1 positions,
         filtered exactly as plain sampling filters them, against the proposer's (q, or
         one-hot drafts when it has no distribution, as n-gram lookup has not)."""
-        probs = sampling_probs(logits, seq.params)
+        probs = self.backend.sampler.sampling_probs(logits, seq.params)
         drafts = torch.tensor(seq.spec_token_ids, device=logits.device)
         return self.rejection_sampler(probs, seq.spec_draft_probs, drafts, seq.generator,
                                       greedy=seq.params.greedy)
@@ -192,7 +199,7 @@ class ModelRunner:
         """A draft tree's check (llmopt/spec/tree_sampler.py): the emitted tokens and the rows
         they were drawn from; the accepted path's KV is queued in `slot_moves` to move into place."""
         tree = seq.spec_tree
-        emitted, path = tree_rejection_sample(sampling_probs(logits, seq.params), tree.tokens, tree.parents,
+        emitted, path = tree_rejection_sample(self.backend.sampler.sampling_probs(logits, seq.params), tree.tokens, tree.parents,
                                               seq.generator, greedy=seq.params.greedy)
         src, dst = accepted_slot_moves(table, seq.num_tokens, path, self.block_size)
         slot_moves[0].extend(src)

@@ -10,7 +10,7 @@ every block, and serve the next call as if nothing had happened.
 import pytest
 
 from llmopt import LLM, SamplingParams
-from llmopt.worker import model_runner
+from llmopt.layers import sampler_cpu
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
@@ -24,15 +24,16 @@ class Injected(Exception):
 
 @pytest.fixture
 def poisoned_sampling(monkeypatch):
-    """Sampling raises whenever the poison request is among the rows, as a bad parameter would."""
-    real = model_runner.sample
+    """Sampling raises whenever the poison request is among the rows, as a bad parameter would
+    (the engine's sampler, llmopt/layers/sampler_cpu.py, which the default backend draws with)."""
+    real = sampler_cpu.sample
 
     def sample(logits, params, generators):
         if any(p.seed == 13 for p in params):
             raise Injected("sampling failed for the poison request")
         return real(logits, params, generators)
 
-    monkeypatch.setattr(model_runner, "sample", sample)
+    monkeypatch.setattr(sampler_cpu, "sample", sample)
 
 
 def assert_clean(llm):

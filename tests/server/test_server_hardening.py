@@ -19,7 +19,7 @@ import uvicorn
 
 from llmopt import SamplingParams
 from llmopt.config import EngineConfig
-from llmopt.worker import model_runner
+from llmopt.layers import sampler_cpu
 from llmopt.server import AsyncLLM, build_app
 from llmopt.server.process import ServerProcess, free_port
 from test_server import wait_idle
@@ -162,14 +162,14 @@ def test_max_tokens_past_the_context_is_a_400_with_the_numbers(server, tiny_llm)
 def poisoned_server():
     """A server in this process whose sampling raises for requests with seed 13, as a parameter
     the sampler cannot take would; everything else is the real server, reached over loopback."""
-    real = model_runner.sample
+    real = sampler_cpu.sample  # the default engine's sampler
 
     def sample(logits, params, generators):
         if any(p.seed == 13 for p in params):
             raise FloatingPointError("injected: sampling failed")
         return real(logits, params, generators)
 
-    model_runner.sample = sample
+    sampler_cpu.sample = sample
     llm = AsyncLLM(EngineConfig(model="tiny", device="cpu", num_kv_blocks=256))
     port = free_port()
     srv = uvicorn.Server(uvicorn.Config(build_app(llm), host="127.0.0.1", port=port, log_level="warning"))
@@ -183,7 +183,7 @@ def poisoned_server():
     finally:
         srv.should_exit = True
         thread.join(30)
-        model_runner.sample = real
+        sampler_cpu.sample = real
 
 
 def stream_in_background(url: str, body: dict) -> tuple[threading.Thread, list[str]]:
