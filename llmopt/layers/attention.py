@@ -49,7 +49,7 @@ class AttentionMetadata:
     block_table_tensor: torch.Tensor | None = None   # [num_seqs, max_blocks] int32, padded with 0
     query_start_loc: torch.Tensor | None = None      # [num_seqs + 1] int32
     seq_lens_tensor: torch.Tensor | None = None      # [num_seqs] int32
-    plans: dict = field(default_factory=dict, repr=False)  # the torch path's gathers, per pool shape
+    plans: dict = field(default_factory=dict, repr=False)  # what the caches derive once a step (gathers, indices)
     tree_masks: list | None = None  # draft trees: per sequence a bool [new, context + new] mask, or None
     tree_bits: torch.Tensor | None = None  # ... the same as the kernels read it: [num_tokens] int64, per
     #   query row a bit per new key of its sequence it may see (-1: causal); None when a tree is too big
