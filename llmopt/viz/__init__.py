@@ -5,8 +5,9 @@ a plotly figure or ipywidgets panel that shows them, and a plain-text table for 
 that draw neither.
 """
 
+from llmopt.viz.claims import machine, measured, quoted
 from llmopt.viz.notebook import check_answer, committed_result, format_table, in_colab, setup_notebook
 from llmopt.viz.spec import SpecTokens, spec_widget, token_sources
 
 __all__ = ["check_answer", "committed_result", "format_table", "in_colab", "setup_notebook",
-           "SpecTokens", "spec_widget", "token_sources"]
+           "SpecTokens", "spec_widget", "token_sources", "machine", "measured", "quoted"]

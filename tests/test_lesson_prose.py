@@ -1,0 +1,49 @@
+"""Lesson prose states what holds on any machine; measured numbers are printed by the cells that
+measured them (llmopt.viz.claims), naming the machine.
+
+The check here finds the figures a markdown cell states with a unit of time, speed or bandwidth,
+or as a ratio ("1.6x"): outside code spans, formulas and blockquotes (a quoted claim of the article
+the course follows is marked as a quote). Their count may only fall; each one left is listed when
+it fails, and the course's aim is at most 12 (configuration values such as a timeout, derived ratios
+such as a head count's).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+LESSONS = Path(__file__).resolve().parents[1] / "lessons"
+CODE = re.compile(r"`[^`\n]*`|\$[^$\n]*\$")
+FIGURE = re.compile(r"(?<![\w.])\d[\d,]*(?:\.\d+)?(?:\s*(?:-|–|to)\s*\d[\d,]*(?:\.\d+)?)?"
+                    r"(?:\s*(?:ms|s|µs|us|tok/s|tokens/s|GB/s)|[x×])(?![\w/])")
+MOST = 24  # figures in the lessons' prose today; lower it as the lessons move them into their cells
+
+
+def stated_figures(notebook: dict) -> list[tuple[int, str]]:
+    """(cell index, the figure in its context) for every figure a markdown cell states."""
+    found = []
+    for i, cell in enumerate(notebook["cells"]):
+        if cell["cell_type"] != "markdown":
+            continue
+        lines = "".join(cell["source"]).splitlines()
+        text = CODE.sub(" ", "\n".join(line for line in lines if not line.lstrip().startswith(">")))
+        found += [(i, text[max(0, m.start() - 40):m.end() + 10].replace("\n", " "))
+                  for m in FIGURE.finditer(text)]
+    return found
+
+
+def test_the_check_finds_measured_figures_and_passes_formulas_and_quotes():
+    cell = lambda text: {"cells": [{"cell_type": "markdown", "source": [text]}]}  # noqa: E731
+    assert len(stated_figures(cell("llmopt decodes 1.67x llama.cpp, a step in 6.8 ms, 28 GB/s"))) == 3
+    assert len(stated_figures(cell("from 299 to 78 ms, 12-15 tok/s"))) == 2
+    assert stated_figures(cell("`2 x 3` and $4 \\times 5$ and TP 2 x PP 2, 30 layers x 3 heads")) == []
+    assert stated_figures(cell("> the article: 2-3x faster\nplain")) == []
+    assert stated_figures({"cells": [{"cell_type": "code", "source": ["took 5 ms"]}]}) == []
+
+
+def test_lesson_prose_states_no_more_measured_figures_than_before():
+    found = [f"{nb.name} cell {i}: ...{context}..." for nb in sorted(LESSONS.glob("*.ipynb"))
+             for i, context in stated_figures(json.loads(nb.read_text()))]
+    assert len(found) <= MOST, "\n".join(found)
