@@ -30,6 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from llmopt import LLM, SamplingParams  # noqa: E402
+from llmopt.bench.common import cpu_name, isa  # noqa: E402
 from llmopt.distributed import cost_model  # noqa: E402
 
 
@@ -72,7 +73,8 @@ def run_config(model: str, tp: int, pp: int, threads: int, prompts, params, engi
             # two per layer of the stage, one more for the embedding on the first stage
             "formula_bytes_per_token": (2 * layers + 1) * cfg.hidden_size * 4 if tp > 1 else 0,
             "allreduce_ms_per_step": 1e3 * statistics.mean(r["allreduce_seconds"] for r in reports) / batches,
-            "compute_ms_per_step": 1e3 * statistics.mean(r["compute_seconds"] for r in reports) / batches,
+            # a rank's forward, timed whole: its all-reduces are inside it
+            "forward_ms_per_step": 1e3 * statistics.mean(r["compute_seconds"] for r in reports) / batches,
         })
         if pp > 1:
             row["bubble"] = ex.bubble(reports)
@@ -106,12 +108,12 @@ def reading(rows: list[dict]) -> list[str]:
     lines = []
     tp = by.get((2, 1, whole["threads"]))
     if tp:
-        share = tp["allreduce_ms_per_step"] / (tp["allreduce_ms_per_step"] + tp["compute_ms_per_step"])
+        share = tp["allreduce_ms_per_step"] / tp["forward_ms_per_step"]  # the forward includes them
         lines.append(
             f"- **TP 2** gives {tp['tokens_per_s'] / whole['tokens_per_s']:.2f}x the throughput of one process "
             f"using the same {whole['threads']} threads: each rank computes half of every matmul, but every "
             f"layer then waits for two all-reduces through gloo over loopback TCP, {share:.0%} of each step "
-            f"({tp['allreduce_ms_per_step']:.1f} ms of {tp['allreduce_ms_per_step'] + tp['compute_ms_per_step']:.1f}). "
+            f"({tp['allreduce_ms_per_step']:.1f} ms of {tp['forward_ms_per_step']:.1f}). "
             "The bytes are exactly the formula's; on NVLink the same bytes take microseconds (table below).")
     pp = by.get((1, 2, whole["threads"]))
     if pp:
@@ -133,9 +135,10 @@ def reading(rows: list[dict]) -> list[str]:
 
 def markdown(model: str, rows: list[dict], args, load: tuple[float, float]) -> str:
     base = rows[0]
-    out = [f"# Tensor and pipeline parallelism: `{model}` on this machine", "",
+    out = [f"# Tensor and pipeline parallelism: `{model}` on {cpu_name()}", "",
            f"`python benchmarks/parallel.py --model {model} --requests {args.requests} --max-tokens "
-           f"{args.max_tokens} --configs {' '.join(args.configs)} --repeat {args.repeat}`: {os.cpu_count()} cores, "
+           f"{args.max_tokens} --configs {' '.join(args.configs)} --repeat {args.repeat}`: {cpu_name()} "
+           f"({isa() or 'no AVX2'}), {os.cpu_count()} cores, "
            f"load average {load[0]:.1f} when the run started and {load[1]:.1f} when it ended; each configuration "
            "timed once per round after a warm-up, rounds interleaved, medians reported.", "",
            "| TP x PP | ranks | threads (all ranks) | tokens/s (each round) | vs first row | TTFT p50 ms | TPOT p50 ms | "
@@ -149,7 +152,7 @@ def markdown(model: str, rows: list[dict], args, load: tuple[float, float]) -> s
     out += ["", "## What the ranks sent and where their time went", "",
             "| TP x PP | micro-batches | all-reduced B / token (rank 0) | formula (2 x layers + 1) x hidden x 4 B | "
             "B / token / layer | "
-            "all-reduce ms / step | compute ms / step | bubble (m = pp in flight) | bubble, one in flight "
+            "all-reduce ms / step | forward ms / step (all-reduces included) | bubble (m = pp in flight) | bubble, one in flight "
             "(wall s: one vs m in flight) |",
             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -160,7 +163,7 @@ def markdown(model: str, rows: list[dict], args, load: tuple[float, float]) -> s
                if "bubble" in r else "-")
         out.append(f"| {r['tp']} x {r['pp']} | {r['micro_batches']} | {r['allreduce_bytes_per_token']:,.0f} | "
                    f"{r['formula_bytes_per_token']:,} | {r['allreduce_bytes_per_token_layer']:,.0f} | "
-                   f"{r['allreduce_ms_per_step']:.1f} | {r['compute_ms_per_step']:.1f} | {bubble} | {one} |")
+                   f"{r['allreduce_ms_per_step']:.1f} | {r['forward_ms_per_step']:.1f} | {bubble} | {one} |")
     out += ["", "Rank 0 holds stage 0: its layers' two all-reduces each (after o_proj and down_proj) and the "
             "vocab-parallel embedding's one; B / token / layer spreads all of it over the stage's layers, so "
             "it sits a little above 2 x hidden x 4 bytes. All-reduce time includes waiting for the slower "

@@ -15,34 +15,7 @@ learner is.
 
 from __future__ import annotations
 
-# The vector instruction sets llmopt's CPU kernels and torch's pick from, best first, as
-# /proc/cpuinfo names them, and as a measurement names them.
-ISA = (("amx_bf16", "AMX"), ("avx512_vnni", "AVX512_VNNI"), ("avx512_bf16", "AVX512_BF16"),
-       ("avx512f", "AVX-512"), ("avx2", "AVX2"), ("asimd", "NEON"))
-
-
-def isa(flags: str | None = None) -> str:
-    """The vector instruction sets this CPU offers, from its flags (/proc/cpuinfo's by default):
-    "AVX512_VNNI, AVX-512, AVX2", or "" where none of those is listed."""
-    if flags is None:
-        from llmopt.kernels.cpu import cpu_flags
-
-        flags = cpu_flags()
-    have = set(flags.replace(":", " ").split())
-    return ", ".join(name for flag, name in ISA if flag in have)
-
-
-def machine() -> str:
-    """This machine as a measurement names it: the GPU where torch uses one, else the CPU's model,
-    its vector instruction sets and torch's thread count."""
-    import torch
-
-    from llmopt.bench.common import cpu_name
-
-    if torch.cuda.is_available():
-        return f"{torch.cuda.get_device_name(0)}, CUDA {torch.version.cuda}"
-    parts = [cpu_name(), isa(), f"{torch.get_num_threads()} thread{'s' * (torch.get_num_threads() != 1)}"]
-    return ", ".join(p for p in parts if p)
+from llmopt.bench.common import machine
 
 
 def measured(holds: bool, sentence: str, otherwise: str) -> str:

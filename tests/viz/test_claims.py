@@ -2,8 +2,8 @@
 
 import torch
 
-from llmopt.bench.common import cpu_name
-from llmopt.viz.claims import isa, machine, measured, quoted
+from llmopt.bench.common import cpu_name, isa
+from llmopt.viz.claims import machine, measured, quoted
 
 
 def test_isa_lists_what_the_flags_offer_best_first():
