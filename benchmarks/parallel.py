@@ -5,7 +5,7 @@
 
 For each configuration the same workload runs once to warm up and once timed; the ranks then
 report what they measured: bytes all-reduced (against the formula), seconds in all-reduce
-(waiting for the slower rank included) against seconds computing, and, with pipeline stages,
+(waiting for the slower rank included) as a share of the forward that contains them, and, with pipeline stages,
 when each stage ran which micro-batch (the bubble, with micro-batches in flight and with one).
 Greedy tokens are compared with the one-process run. The table for real GPUs next to it is
 computed from `llmopt.distributed.cost_model`.
