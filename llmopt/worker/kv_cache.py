@@ -90,13 +90,13 @@ class ContiguousKVCache(KVCache):
             if c + n > self.max_len:
                 raise RuntimeError(f"slot {s} would hold {c + n} tokens; it has room for {self.max_len}")
             self.lens[s] = c + n
+        if meta.is_decode:  # every layer's store writes one token per strip at these indices
+            meta.plans["contiguous"] = (torch.tensor(meta.slots, device=self.k[0].device),
+                                        torch.tensor(meta.context_lens, device=self.k[0].device))
 
     def store(self, layer, k, v, meta):
         K, V = self.k[layer], self.v[layer]
         if meta.is_decode:  # one token per sequence: one indexed write for all of them
-            if "contiguous" not in meta.plans:  # built by the first layer, used by every layer
-                meta.plans["contiguous"] = (torch.tensor(meta.slots, device=K.device),
-                                            torch.tensor(meta.context_lens, device=K.device))
             index, pos = meta.plans["contiguous"]
             K[index, :, pos] = k
             V[index, :, pos] = v
