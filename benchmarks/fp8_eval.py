@@ -6,12 +6,12 @@ precision, in one run.
 
     python benchmarks/fp8_eval.py                          # the committed table
     python benchmarks/fp8_eval.py --tokens 4096 --prompts 4 --out /tmp/fp8.md   # a quick one
-    python benchmarks/fp8_eval.py --model smollm2 --tokens 16384 --prompts 16 \
+    python benchmarks/fp8_eval.py --model smollm2 --prompts 16 \
         --out benchmarks/results/fp8_smollm2.md                     # the real model's table
 
-Perplexity runs through each engine's own model and paged KV cache
-(`llmopt.eval.perplexity`), in chunks, so later chunks attend to keys and values read
-back from the FP8 pool exactly as a long prompt does in serving. Greedy agreement
+Perplexity follows the course's one protocol (`llmopt.eval.PROTOCOL`) by default, through
+each engine's own model and paged KV cache: attention reads keys and values back from the
+FP8 pool, as a long prompt does in serving (`--chunk-size` feeds each window in chunks too). Greedy agreement
 compares each configuration's greedy continuations with full precision's, token by
 token. Rows that need something this install cannot do (FP8 weights without
 `quantization="fp8"`) are reported as not run, with the reason.
@@ -33,7 +33,8 @@ import torch
 
 from llmopt import LLM, SamplingParams
 from llmopt.bench import header, table
-from llmopt.eval import heldout_text, perplexity
+from llmopt.bench.common import machine
+from llmopt.eval import PROTOCOL, describe_protocol, follows_protocol, heldout_text, window_nll
 
 def rotated_per_head_kv(llm) -> None:
     """Keys and values turned by a Hadamard matrix, one e4m3 scale per KV head from the calibration split."""
@@ -110,12 +111,13 @@ def evaluate(name: str, kwargs: dict, args, prompts, prepare=None) -> dict:
     if prepare is not None:
         prepare(llm)
     eng = llm.llm_engine
-    ppl = perplexity(llm, max_tokens=args.tokens, seq_len=args.seq_len, chunk_size=args.chunk_size)
+    per_window = window_nll(llm, max_tokens=args.tokens, seq_len=args.seq_len, chunk_size=args.chunk_size)
+    ppl = math.exp(sum(n for n, _ in per_window) / sum(c for _, c in per_window))
     params = SamplingParams(temperature=0.0, max_tokens=args.gen_len, ignore_eos=True)
     tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     cache = eng.kv_cache
     row = {
-        "name": name, "ppl": ppl, "tokens": tokens,
+        "name": name, "ppl": ppl, "window_nll": per_window, "tokens": tokens,
         "kv_dtype": str(cache.cache_dtype).removeprefix("torch."),
         "scales": cache.scale_source if cache.is_fp8 else "-",
         "k_scale": _range(cache.k_scale), "v_scale": _range(cache.v_scale),
@@ -193,9 +195,12 @@ def render(rows: list[dict], args, command: str, seconds: float) -> str:
         f"{base['header'].removesuffix('; command: ``')}; command: `{command}` ({seconds / 60:.1f} min, "
         f"1-minute load average {os.getloadavg()[0]:.2f} at the end, which counts the run's own threads).",
         "",
-        f"Perplexity: {args.tokens:,} tokens of the held-out evaluation split (never the calibration part), "
-        f"windows of {args.seq_len} tokens fed in chunks of {args.chunk_size}, so later chunks read their "
-        f"context's keys and values back from the paged (FP8) cache. Greedy: {args.prompts} prompts of "
+        ("Perplexity: the course's " + describe_protocol() if follows_protocol(base["window_nll"]) else
+         f"Perplexity: {args.tokens:,} tokens of the held-out evaluation split, windows of {args.seq_len} "
+         "(not the course's protocol: not comparable with the other tables)")
+        + (f", fed in chunks of {args.chunk_size}" if args.chunk_size else "")
+        + "; attention reads keys and values back from the paged (FP8) cache. "
+        f"Greedy: {args.prompts} prompts of "
         f"{args.prompt_len} held-out tokens, {args.gen_len} greedy tokens each, compared position by position "
         f"with full precision. KV tokens in a fixed budget: what the engine's pool holds in {BUDGET_GIB:g} GiB "
         "(its bytes per block, as it sizes the pool). Weight bytes: every weight tensor once.",
@@ -217,9 +222,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="tiny")
-    ap.add_argument("--tokens", type=int, default=32768, help="perplexity tokens")
-    ap.add_argument("--seq-len", type=int, default=512)
-    ap.add_argument("--chunk-size", type=int, default=128)
+    ap.add_argument("--tokens", type=int, default=PROTOCOL["max_tokens"], help="perplexity tokens")
+    ap.add_argument("--seq-len", type=int, default=PROTOCOL["seq_len"])
+    ap.add_argument("--chunk-size", type=int, default=None, help="feed each window in chunks (default: whole)")
     ap.add_argument("--prompts", type=int, default=32, help="greedy prompts")
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--gen-len", type=int, default=64)
@@ -227,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "fp8.md")
     args = ap.parse_args(argv)
     for name in ("tokens", "seq_len", "chunk_size", "prompts", "prompt_len", "gen_len"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
     configs = CONFIGS if args.configs is None else [c for c in CONFIGS if c[0] in args.configs]
     if not configs or configs[0][0] != "full precision":
@@ -253,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)
     # the numbers too, for lessons that show this table without rerunning it
-    args.out.with_suffix(".json").write_text(json.dumps({"command": command, "model": args.model, "rows": [
+    args.out.with_suffix(".json").write_text(json.dumps({"command": command, "model": args.model, "machine": machine(), "rows": [
         {k: v for k, v in r.items() if k != "header"} for r in rows]}, indent=1) + "\n")
     return 0 if all(math.isfinite(r["ppl"]) for r in rows if "error" not in r) else 1
 

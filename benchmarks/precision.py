@@ -21,7 +21,6 @@ import json
 import math
 import os
 import shlex
-import subprocess
 import sys
 import tempfile
 import time
@@ -30,7 +29,8 @@ from pathlib import Path
 import torch
 
 from llmopt import LLM, SamplingParams
-from llmopt.eval import window_nll
+from llmopt.bench.common import machine
+from llmopt.eval import PROTOCOL, window_nll
 from llmopt.quant import quantize
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -345,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", nargs="+", choices=list(ROWS), default=[])
-    ap.add_argument("--max-tokens", type=int, default=12288)
+    ap.add_argument("--max-tokens", type=int, default=PROTOCOL["max_tokens"])
     ap.add_argument("--num-samples", type=int, default=16, help="GPTQ / AWQ calibration windows of 512 tokens")
     ap.add_argument("--append", action="store_true", help="add to the earlier JSON (same evaluation tokens)")
     ap.add_argument("--render", action="store_true", help="measure nothing: rewrite the table from the JSON")
@@ -360,9 +360,7 @@ def main(argv: list[str] | None = None) -> int:
     json_path, md_path = args.out_dir / "precision_smollm2.json", args.out_dir / "precision_smollm2.md"
     saved = json.loads(json_path.read_text()) if (args.append or args.render) and json_path.is_file() else None
     if saved is None:
-        cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        model = next((ln.split(":", 1)[1].strip() for ln in cpu.splitlines() if ln.startswith("Model name")), "?")
-        saved = {"command": "", "cpu": f"{model} ({os.cpu_count()} cores)", "threads": torch.get_num_threads(),
+        saved = {"command": "", "cpu": f"{machine()} ({os.cpu_count()} cores)", "threads": torch.get_num_threads(),
                  "num_samples": args.num_samples, "rows": []}
     if args.decode_again:
         decode_again(saved, args.keep)

@@ -13,6 +13,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from quant import recovered, recovered_interval  # noqa: E402
 
+from llmopt.eval import describe_protocol, follows_protocol  # noqa: E402
+
 BOOTSTRAP = 2000
 SEED_TABLE = [("FP16 / BF16", "16", "-", "none", "training, reference serving"),
               ("INT8", "8", "50%", "minimal", "production serving"),
@@ -48,9 +50,11 @@ def render(saved: dict) -> str:
         + f"{saved['cpu']}, torch {torch.__version__}, {saved['threads']} threads; 1-minute load average "
         f"{rows[order[0]]['load_avg_start']:.2f} before the first row, nothing else running; "
         f"{min(loads):.2f}-{max(loads):.2f} at the rows' starts and ends, which counts the run's own threads. "
-        "Perplexity on "
-        f"{tokens:,} tokens of the bundled held-out text's evaluation split in windows of 512, fp32 "
-        "activations (the bf16 row: bf16); the interval is 90% from a paired bootstrap over the "
+        + (f"Perplexity: the course's {describe_protocol()} ({tokens:,} tokens scored)"
+           if base and follows_protocol(base["window_nll"]) else
+           f"Perplexity on {tokens:,} tokens of the bundled held-out text's evaluation split in windows of 512 "
+           "(not the course's protocol, `llmopt.eval.PROTOCOL`)")
+        + ", fp32 activations (the bf16 row: bf16); the interval is 90% from a paired bootstrap over the "
         f"{len(base['window_nll']) if base else 0} windows. Calibration (GPTQ, AWQ, FP8 KV scales) on the "
         f"disjoint calibration split ({saved['num_samples']} windows of 512 for GPTQ and AWQ). Bits per weight "
         "and bytes: the decoder's linear layers as stored (codes, scales, zeros, g_idx, absmax); the "

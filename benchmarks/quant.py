@@ -9,7 +9,8 @@ how many of their tokens match fp32's.
 
     python benchmarks/quant.py                                   # every row (the committed table)
     python benchmarks/quant.py --rows fp32 rtn4-g128 gptq4-g128 --max-tokens 8192   # a quick look
-    python benchmarks/quant.py --model smollm2 --max-tokens 16384 --num-samples 16    # the real model, g64
+    python benchmarks/quant.py --model smollm2 --max-tokens 12288 --num-samples 16    # the real model, g64,
+                                                   # on the course's perplexity protocol (llmopt.eval.PROTOCOL)
 
 Writes benchmarks/results/quant.md (the table) and quant.json (the numbers); for another model,
 quant_<model>.md and .json. Rows can be run in separate processes and gathered with --append.
@@ -32,8 +33,9 @@ from pathlib import Path
 import torch
 
 from llmopt import LLM, SamplingParams
-from llmopt.bench.common import cpu_name, load_average
-from llmopt.eval import window_nll
+from llmopt.bench.common import load_average
+from llmopt.bench.common import machine as this_machine
+from llmopt.eval import describe_protocol, follows_protocol, window_nll
 from llmopt.quant import quantize
 
 def int4_rows(g: int, **awq_variants: dict) -> dict:
@@ -156,10 +158,12 @@ def render(rows: list[dict], command: str, eval_tokens: int, model: str = "tiny"
     rtn = {(r["bits"], r["group_size"]): r for r in rows if r["method"] == "rtn"}
     lines = [
         f"# Weight quantization on {MODEL_TITLES.get(model, model)}", "",
-        f"`{command}`; torch {torch.__version__}, {machine(rows)}, "
-        f"{torch.get_num_threads()} threads. Perplexity on "
-        f"{eval_tokens:,} tokens of the held-out text's evaluation split (`llmopt.eval.heldout_text('eval')`), "
-        "windows of 512 tokens, through the engine (`llmopt.eval.window_nll`); calibration (GPTQ, AWQ) on "
+        f"`{command}`; torch {torch.__version__}, {machine(rows)}"
+        + (". " if "thread" in machine(rows) else f", {torch.get_num_threads()} threads. ")
+        + (f"Perplexity: the course's {describe_protocol()}" if base and follows_protocol(base["window_nll"]) else
+           f"Perplexity on {eval_tokens:,} tokens of the held-out text's evaluation split, windows of 512 "
+           "(not the course's protocol, `llmopt.eval.PROTOCOL`: not comparable with the SmolLM2 tables)")
+        + ", through the engine (`llmopt.eval.window_nll`); calibration (GPTQ, AWQ) on "
         f"{num_samples} windows of 512 tokens of its disjoint calibration split. Quantized rows run in float32 on the "
         "CPU. Integer rows use zero points (asymmetric); GPTQ with damp_percent 0.01, true-sequential, "
         "blocks of 128; AWQ with AutoAWQ's duo scaling and clipping unless marked \"paper's s\" "
@@ -384,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
         workdir = args.keep or Path(tmp)
         for name in args.rows or DEFAULT_ROWS[args.model]:
             row = run_row(name, ROWS[name], workdir, args.max_tokens, args.model, args.num_samples)
-            row["load_before"], row["cpu"] = load, f"{cpu_name()} ({os.cpu_count()} cores)"
+            row["load_before"], row["cpu"] = load, f"{this_machine()} ({os.cpu_count()} cores)"
             print(f"{name}: perplexity {row['perplexity']:.3f}, {row['linear_bytes'] / 2**20:.2f} MiB, "
                   f"quantized in {row['quant_seconds']:.1f} s; {row['samples'][0][:60]!r}", flush=True)
             rows = [r for r in rows if r["name"] != name] + [row]

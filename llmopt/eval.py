@@ -22,6 +22,28 @@ import torch
 
 from llmopt.model.registry import heldout_text
 
+# The one protocol every compared perplexity follows: the committed SmolLM2 tables
+# (benchmarks/precision.py, quant.py, fp8_eval.py) and the lessons that set them side by side.
+# Its first 12,288 tokens of the evaluation split, cut into windows of 512 tokens (each window
+# fed whole: an FP8 cache is read back even then, see layers/paged_attention.py). A perplexity
+# measured on other tokens or other windows has another fp32 baseline (the text's difficulty
+# varies along it) and is not comparable with these.
+PROTOCOL = {"max_tokens": 12_288, "seq_len": 512}
+
+
+def follows_protocol(per_window: list[tuple[float, int]]) -> bool:
+    """Whether `window_nll`'s output is PROTOCOL's: its windows of `seq_len` scoring its
+    `max_tokens - 1` tokens (the first token has nothing before it)."""
+    max_tokens, seq_len = PROTOCOL["max_tokens"], PROTOCOL["seq_len"]
+    counts = [int(n) for _, n in per_window]
+    return sum(counts) == max_tokens - 1 and len(counts) == -(-(max_tokens - 1) // seq_len)
+
+
+def describe_protocol() -> str:
+    """PROTOCOL in words, for a table's header or a lesson's printout."""
+    return (f"perplexity protocol (llmopt.eval.PROTOCOL): the first {PROTOCOL['max_tokens']:,} tokens of the "
+            f"held-out evaluation split, windows of {PROTOCOL['seq_len']}")
+
 
 def perplexity(llm, text: str | None = None, max_tokens: int | None = None, seq_len: int = 512,
                chunk_size: int | None = None, batch_size: int = 8, token_ids: list[int] | None = None,

@@ -93,3 +93,30 @@ def test_window_nll_adds_up_to_perplexity(tiny_llm):
     chunked = window_nll(tiny_llm, max_tokens=700, seq_len=256, chunk_size=100)
     for (a, _), (b, _) in zip(per_window, chunked):
         assert a == pytest.approx(b, rel=1e-5)
+
+
+def test_the_smollm2_tables_share_one_protocol_and_one_fp32_baseline():
+    """The committed tables lessons 06 and 07 set side by side score the same tokens in the same
+    windows, so their full-precision rows agree: one baseline, not one per table."""
+    import json
+
+    from llmopt.eval import PROTOCOL, follows_protocol
+    from llmopt.package_data import committed_result
+
+    baselines = {}
+    for name, base_row in (("precision_smollm2.json", "fp32"), ("quant_smollm2.json", "fp32"),
+                           ("fp8_smollm2.json", "full precision")):
+        row = next(r for r in json.loads(committed_result(name).read_text())["rows"] if r["name"] == base_row)
+        assert follows_protocol(row["window_nll"]), f"{name} does not follow {PROTOCOL}"
+        baselines[name] = math.exp(sum(n for n, _ in row["window_nll"]) / sum(c for _, c in row["window_nll"]))
+    assert max(baselines.values()) / min(baselines.values()) - 1 < 1e-4, baselines
+
+
+def test_follows_protocol_tells_other_windows_apart():
+    from llmopt.eval import PROTOCOL, follows_protocol
+
+    n, w = PROTOCOL["max_tokens"] - 1, PROTOCOL["seq_len"]
+    whole = [(1.0, w)] * (n // w) + [(1.0, n % w)]
+    assert follows_protocol(whole)
+    assert not follows_protocol(whole[:-1])                      # fewer tokens
+    assert not follows_protocol([(1.0, w // 2)] * (2 * (n // w)) + [(1.0, n % w)])   # shorter windows
