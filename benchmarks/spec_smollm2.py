@@ -31,7 +31,7 @@ import torch
 
 from llmopt import LLM, model_path
 from llmopt.bench import BenchRequest, table
-from llmopt.bench.common import cpu_name, load_average
+from llmopt.bench.common import load_average, machine
 from llmopt.bench.spec import bench_spec, predicted_speedup, spec_table
 
 # functions from the Python standard library, given whole in the prompt (the eval split's kind of text)
@@ -197,11 +197,11 @@ def main(argv: list[str] | None = None) -> int:
                    "draft_model": {"method": "draft_model", "model": str(draft)}}
         result = bench_spec(lambda **kw: LLM("smollm2", enable_prefix_caching=False, **kw), requests,
                             list(methods), args.k, batch1=len(requests), progress=False, spec_methods=methods)
-    result.update(command=command, logit_lens=lens, draft_layers=layers, predicted_by_depth=predicted)
+    result.update(command=command, machine=machine(), load_average=load, logit_lens=lens, draft_layers=layers, predicted_by_depth=predicted)
     depths = sorted(lens)
     text = "\n".join([
         "# Speculative decoding on SmolLM2-135M-Instruct", "",
-        f"`{command}`; torch {torch.__version__}, one thread, {cpu_name()} ({os.cpu_count()} cores), 1-minute "
+        f"`{command}`; torch {torch.__version__}, {machine()} ({os.cpu_count()} cores), 1-minute "
         f"load average {load:.2f} at the start (CPU times of this process). The task: chat requests that give a function and ask for it back "
         "edited (rename a variable, add docstrings, add type hints, fix a bug), so the answer repeats "
         "much of the prompt.", "",
