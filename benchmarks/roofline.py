@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from llmopt import LLM
-from llmopt.bench.common import cpu_name, table
+from llmopt.bench.common import machine, table
 from llmopt.bench.inputs import heldout_tokens
 from llmopt.bench.roofline import bench_roofline, measure_bandwidth
 from llmopt.model.registry import model_path
@@ -117,9 +117,9 @@ def render(runs: dict, bandwidth: list[dict], args, command: str, load_before: f
         goals.append(f"- {label} (decode path: {raw['decode_path']}): batch {first['batch']} reads at "
                      f"{100 * first['share']:.0f}% of the read bandwidth{growth}.")
     return "\n".join([
-        "# Decode roofline: SmolLM2-135M-Instruct on this CPU",
+        "# Decode roofline: SmolLM2-135M-Instruct on the CPU named below",
         "",
-        f"`{command}`: {cpu_name()} ({os.cpu_count()} cores), torch {torch.__version__}, {args.threads} threads; "
+        f"`{command}`: {machine()} ({os.cpu_count()} cores), torch {torch.__version__}; "
         f"1-minute load average {load_before:.2f} before the run, {os.getloadavg()[0]:.2f} at its end "
         f"({seconds / 60:.1f} min). {args.context} tokens cached per sequence, median of {args.steps} decode "
         "steps per batch size. Bytes per step: every weight once (the lm_head, tied to the embedding, "

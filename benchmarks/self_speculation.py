@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from llmopt import LLM, SamplingParams
-from llmopt.bench.common import cpu_name, load_average
+from llmopt.bench.common import load_average, machine
 
 PROMPTS = {
     "tiny": ["def fibonacci(n):", "class Stack:\n    def push(self, x):", "import os\n", "for i in range("],
@@ -85,7 +85,7 @@ def main():
     lines = [f"# Self-speculative decoding (layer skip), k = {a.k}, greedy, {a.max_tokens} tokens x "
              f"{len(PROMPTS['tiny'])} prompts, {a.threads} threads", "",
              f"`python benchmarks/self_speculation.py {' '.join(sys.argv[1:])}`".replace(" `", "`") +
-             f" ({(time.perf_counter() - started) / 60:.1f} min); {cpu_name()} ({os.cpu_count()} cores), torch "
+             f" ({(time.perf_counter() - started) / 60:.1f} min); {machine()} ({os.cpu_count()} cores), torch "
              f"{torch.__version__}; load average {load:.2f} at the start, {os.getloadavg()[0]:.2f} at the end. "
              "Acceptance is deterministic; times are one run of all prompts together, after a warm-up request.", "",
              "| model | exit layer | acceptance rate | tokens per verify step | ms per token | speedup | greedy = plain |",
