@@ -34,7 +34,7 @@ import torch
 from llmopt import LLM, SamplingParams
 from llmopt.bench import header, table
 from llmopt.bench.common import machine
-from llmopt.eval import PROTOCOL, describe_protocol, follows_protocol, heldout_text, window_nll
+from llmopt.eval import PROTOCOL, describe_protocol, follows_protocol, heldout_text, perplexity_of, window_nll
 
 def rotated_per_head_kv(llm) -> None:
     """Keys and values turned by a Hadamard matrix, one e4m3 scale per KV head from the calibration split."""
@@ -112,7 +112,7 @@ def evaluate(name: str, kwargs: dict, args, prompts, prepare=None) -> dict:
         prepare(llm)
     eng = llm.llm_engine
     per_window = window_nll(llm, max_tokens=args.tokens, seq_len=args.seq_len, chunk_size=args.chunk_size)
-    ppl = math.exp(sum(n for n, _ in per_window) / sum(c for _, c in per_window))
+    ppl = perplexity_of(per_window)
     params = SamplingParams(temperature=0.0, max_tokens=args.gen_len, ignore_eos=True)
     tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     cache = eng.kv_cache

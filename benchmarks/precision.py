@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import shlex
 import sys
@@ -30,7 +29,7 @@ import torch
 
 from llmopt import LLM, SamplingParams
 from llmopt.bench.common import machine
-from llmopt.eval import PROTOCOL, window_nll
+from llmopt.eval import PROTOCOL, perplexity_of, window_nll
 from llmopt.quant import quantize
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -257,7 +256,7 @@ def run_row(name: str, workdir: Path, max_tokens: int, num_samples: int) -> dict
         row["linear_bytes"], row["fp16_linear_bytes"] = linear_bytes_of(llm)
         row["linear_bytes"] = row["fp16_linear_bytes"] * 2
         row["window_nll"] = emulated_window_nll(llm, spec["emulate"], max_tokens)
-        row["perplexity"] = math.exp(sum(v for v, _ in row["window_nll"]) / sum(n for _, n in row["window_nll"]))
+        row["perplexity"] = perplexity_of(row["window_nll"])
         row["load_avg_end"] = os.getloadavg()[0]
         return row
     row = {"name": name, "label": label, "load_avg_start": os.getloadavg()[0], "quant_seconds": None,
@@ -294,7 +293,7 @@ def run_row(name: str, workdir: Path, max_tokens: int, num_samples: int) -> dict
     t0 = time.perf_counter()
     row["window_nll"] = window_nll(llm, max_tokens=max_tokens)
     row["eval_seconds"] = time.perf_counter() - t0
-    row["perplexity"] = math.exp(sum(v for v, _ in row["window_nll"]) / sum(n for _, n in row["window_nll"]))
+    row["perplexity"] = perplexity_of(row["window_nll"])
     del llm
     row["decode_source"], row["decode_engine"] = source, engine_kw
     # bfloat16 activations unless the row sets its own dtype (the bf16 row does)

@@ -35,7 +35,7 @@ import torch
 from llmopt import LLM, SamplingParams
 from llmopt.bench.common import load_average
 from llmopt.bench.common import machine as this_machine
-from llmopt.eval import describe_protocol, follows_protocol, window_nll
+from llmopt.eval import describe_protocol, follows_protocol, perplexity_of, window_nll
 from llmopt.quant import quantize
 
 def int4_rows(g: int, **awq_variants: dict) -> dict:
@@ -113,7 +113,7 @@ def run_row(name: str, spec: dict, workdir: Path, max_tokens: int | None, model:
                                        for x in d["x_mean"].values())
     t1 = time.perf_counter()
     row["window_nll"] = window_nll(llm, max_tokens=max_tokens)
-    row["perplexity"] = math.exp(sum(v for v, _ in row["window_nll"]) / sum(n for _, n in row["window_nll"]))
+    row["perplexity"] = perplexity_of(row["window_nll"])
     row["eval_seconds"] = time.perf_counter() - t1
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=SAMPLE_TOKENS, ignore_eos=True),
                         use_tqdm=False)

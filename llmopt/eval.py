@@ -24,7 +24,7 @@ from llmopt.model.registry import heldout_text
 
 # The one protocol every compared perplexity follows: the committed SmolLM2 tables
 # (benchmarks/precision.py, quant.py, fp8_eval.py) and the lessons that set them side by side.
-# Its first 12,288 tokens of the evaluation split, cut into windows of 512 tokens (each window
+# The first 12,288 tokens of the evaluation split, cut into windows of 512 tokens (each window
 # fed whole: an FP8 cache is read back even then, see layers/paged_attention.py). A perplexity
 # measured on other tokens or other windows has another fp32 baseline (the text's difficulty
 # varies along it) and is not comparable with these.
@@ -58,7 +58,11 @@ def perplexity(llm, text: str | None = None, max_tokens: int | None = None, seq_
     batch_size: windows run together in one step (a flat batch, as the engine runs requests).
     token_ids: evaluate these token ids instead of tokenizing `text`.
     """
-    per_window = window_nll(llm, text, max_tokens, seq_len, chunk_size, batch_size, token_ids, use_tqdm)
+    return perplexity_of(window_nll(llm, text, max_tokens, seq_len, chunk_size, batch_size, token_ids, use_tqdm))
+
+
+def perplexity_of(per_window: list[tuple[float, int]]) -> float:
+    """The perplexity of `window_nll`'s output: exp(summed NLL / tokens scored)."""
     return math.exp(sum(n for n, _ in per_window) / sum(c for _, c in per_window))
 
 

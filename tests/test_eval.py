@@ -100,7 +100,7 @@ def test_the_smollm2_tables_share_one_protocol_and_one_fp32_baseline():
     windows, so their full-precision rows agree: one baseline, not one per table."""
     import json
 
-    from llmopt.eval import PROTOCOL, follows_protocol
+    from llmopt.eval import PROTOCOL, follows_protocol, perplexity_of
     from llmopt.package_data import committed_result
 
     baselines = {}
@@ -108,7 +108,7 @@ def test_the_smollm2_tables_share_one_protocol_and_one_fp32_baseline():
                            ("fp8_smollm2.json", "full precision")):
         row = next(r for r in json.loads(committed_result(name).read_text())["rows"] if r["name"] == base_row)
         assert follows_protocol(row["window_nll"]), f"{name} does not follow {PROTOCOL}"
-        baselines[name] = math.exp(sum(n for n, _ in row["window_nll"]) / sum(c for _, c in row["window_nll"]))
+        baselines[name] = perplexity_of(row["window_nll"])
     assert max(baselines.values()) / min(baselines.values()) - 1 < 1e-4, baselines
 
 
