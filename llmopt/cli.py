@@ -65,11 +65,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_flags(serve)
 
     quant = sub.add_parser("quantize", help="quantize a model's weights (RTN, GPTQ, AWQ, FP8, NF4, GGUF) into a checkpoint")
-    quant.add_argument("--model", default="tiny", help="bundled name or HF folder (full precision)")
+    quant.add_argument("--model", default="tiny", help="bundled name, shape (gguf with --load-format dummy) or HF folder (full precision)")
     quant.add_argument("--out", required=True, help="folder to write the quantized checkpoint to (gguf: a .gguf file)")
     quant.add_argument("--method", default="gptq", choices=["rtn", "gptq", "awq", "fp8", "nf4", "gguf"])
     quant.add_argument("--qtype", default=None, choices=list(GGUF_QTYPES),
                        help="gguf: the file's type (default Q4_K_M)")
+    quant.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                       help="gguf: dummy writes random weights of a shape (e.g. --model llama-3.2-1b), for speed")
     quant.add_argument("--bits", type=int, default=None, help="default 4 (8 for fp8)")
     quant.add_argument("--group-size", type=int, default=None, help="default 128; -1: per output channel")
     quant.add_argument("--format", default=None, choices=["gptq", "awq"],
@@ -210,8 +212,9 @@ def _quantize(args) -> int:
 
     if args.method == "gguf":
         return _quantize_gguf(args)
-    if args.qtype is not None:
-        raise ValueError(f"--qtype is for --method gguf, not --method {args.method}")
+    if args.qtype is not None or args.load_format != "auto":
+        flag = "--qtype" if args.qtype is not None else "--load-format"
+        raise ValueError(f"{flag} is for --method gguf, not --method {args.method}")
     calibration = None
     if args.calibration_file is not None:
         path = Path(args.calibration_file)
@@ -240,7 +243,8 @@ def _quantize_gguf(args) -> int:
     if given:
         raise ValueError(f"{', '.join(given)} do not apply to --method gguf; it takes --qtype "
                          f"({', '.join(GGUF_QTYPES)})")
-    r = write_gguf(args.model, args.qtype or "Q4_K_M", args.out, progress=args.progress)
+    r = write_gguf(args.model, args.qtype or "Q4_K_M", args.out, progress=args.progress,
+                   load_format=args.load_format)
     types = ", ".join(f"{n} {t}" for t, n in sorted(r.tensor_types.items()))
     print(f"{r.path}: GGUF {r.qtype} ({types} tensors), {r.file_bytes / 2**20:.2f} MiB; written in {r.seconds:.1f} s")
     return 0

@@ -18,6 +18,7 @@ DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bf
           "float16": torch.float16, "half": torch.float16}
 KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
 QUANTIZATION = (None, "fp8", "int8", "gguf")
+LOAD_FORMATS = ("auto", "dummy")  # vLLM's names: the checkpoint's weights, or random ones of its shape
 SPEC_METHODS = ("draft_model", "ngram", "eagle", "layer_skip")
 SCHEDULING_POLICIES = ("fcfs", "priority", "lpm")
 PREFIX_CACHES = ("hash", "radix")
@@ -51,6 +52,7 @@ class EngineConfig:
     pipeline_parallel_size: int = 1
     enforce_eager: bool = False
     prefix_cache: str = "hash"        # "hash": vLLM's chained block hashes; "radix": SGLang's radix tree
+    load_format: str = "auto"         # "dummy": the model's shape with random weights (speed only)
     # Not in vLLM's LLM signature but in its spirit: the CPU KV budget (vLLM reads the
     # VLLM_CPU_KVCACHE_SPACE environment variable), and an opt-in per-step trace.
     # GiB of RAM for the KV block pool on CPU; None: the LLMOPT_CPU_KVCACHE_SPACE or
@@ -129,6 +131,20 @@ class EngineConfig:
         if self.quantization not in QUANTIZATION:
             raise ValueError(f"quantization must be None, 'fp8' or 'int8' (or 'gguf' for a GGUF file), "
                              f"got {self.quantization!r}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be 'auto' (the checkpoint's weights) or 'dummy' (random "
+                             f"weights of the model's shape, for speed only), got {self.load_format!r}")
+        if self.load_format == "dummy":
+            # random weights: what would read them as text or calibrate on them is refused here
+            for bad, what in ((self.quantization == "gguf", "quantization='gguf' keeps a GGUF file's own "
+                               "blocks; write random ones with `llmopt quantize --method gguf --load-format "
+                               "dummy` and load that file"),
+                              (self.calculate_kv_scales, "calculate_kv_scales=True calibrates on text"),
+                              (self.speculative_config is not None, "speculative_config drafts tokens whose "
+                               "acceptance depends on trained weights")):
+                if bad:
+                    raise ValueError(f"load_format='dummy' builds random weights: {what}, so the two are "
+                                     "not allowed together")
         if self.speculative_config is not None:
             sc = self.speculative_config
             if not isinstance(sc, dict):

@@ -35,6 +35,8 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="FP8 KV cache: measure k/v scales on calibration text at start")
     g.add_argument("--quantization", default=None, choices=["fp8", "int8", "gguf"],
                    help="gguf: keep a GGUF file's Q4_0 / Q4_1 / Q8_0 blocks for the CPU int kernels")
+    g.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                   help="dummy: the model's shape with random weights, for speed only (e.g. --model llama-3.2-1b)")
     g.add_argument("--speculative-config", type=_json_dict, default=None,
                    help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
     g.add_argument("--seed", type=int, default=0)
@@ -46,7 +48,7 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
 ENGINE_FLAGS = ["model", "tokenizer", "dtype", "device", "block_size", "num_kv_blocks",
                 "gpu_memory_utilization", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
                 "enable_chunked_prefill", "enable_prefix_caching", "scheduling_policy", "prefix_cache",
-                "kv_cache_dtype", "calculate_kv_scales", "quantization", "speculative_config", "seed",
+                "kv_cache_dtype", "calculate_kv_scales", "quantization", "load_format", "speculative_config", "seed",
                 "tensor_parallel_size", "pipeline_parallel_size", "enforce_eager"]
 
 

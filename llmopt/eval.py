@@ -20,6 +20,7 @@ from numbers import Integral
 
 import torch
 
+from llmopt.model.dummy import refuse_text
 from llmopt.model.registry import heldout_text
 
 # The one protocol every compared perplexity follows: the committed SmolLM2 tables
@@ -76,6 +77,8 @@ def window_nll(llm, text: str | None = None, max_tokens: int | None = None, seq_
     engine = getattr(llm, "llm_engine", None)
     if engine is None or not hasattr(engine, "kv_cache"):
         raise TypeError(f"perplexity needs an llmopt LLM, got {type(llm).__name__}")
+    if engine.config.load_format == "dummy":
+        raise refuse_text("perplexity", str(engine.config.model))
     for name, value in (("seq_len", seq_len), ("batch_size", batch_size), ("max_tokens", max_tokens),
                         ("chunk_size", chunk_size)):
         if value is None and name in ("max_tokens", "chunk_size"):

@@ -112,7 +112,10 @@ class LLM:
         prompt, all of them batched together."""
         from llmopt.chat import check_messages, render_chat
         from llmopt.engine.request_checks import check_text
+        from llmopt.model.dummy import refuse_text
 
+        if self.config.load_format == "dummy":
+            raise refuse_text("chat", str(self.config.model))
         if not isinstance(messages, (list, tuple)) or not messages:
             raise ValueError("messages must be a conversation (a non-empty list of {'role', 'content'} "
                              "dicts) or a non-empty list of conversations")

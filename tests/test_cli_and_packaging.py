@@ -64,7 +64,10 @@ def test_non_editable_install_ships_the_kernels_and_models(tmp_path):
                        env=env, timeout=300)
     assert r.returncode == 0, r.stderr
     lines = r.stdout.strip().splitlines()
-    assert lines[0] == "['smollm2', 'smollm2-eagle', 'tiny', 'tiny-draft', 'tiny-eagle']" and int(lines[1]) > 1_000_000
+    assert lines[0] == ("['llama-3.1-8b', 'llama-3.2-1b', 'qwen2.5-0.5b', 'qwen2.5-1.5b', 'smollm2', "
+                        "'smollm2-eagle', 'tiny', 'tiny-draft', 'tiny-eagle']") and int(lines[1]) > 1_000_000
+    shapes = target / "llmopt" / "bundled" / "shapes"   # the shapes' configs and their one tokenizer
+    assert {p.name for p in shapes.glob("*/*")} >= {"config.json", "tokenizer.json", "tokenizer_config.json"}
     assert_ships_package_data(target / "llmopt")
 
 

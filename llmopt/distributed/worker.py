@@ -41,7 +41,7 @@ class Worker:
         self.config, self.grid, self.tp_group = config, grid, tp_group
         self.dtype, self.device = dtype, device
         torch.manual_seed(config.seed)
-        model = load_model(model_path, dtype, device, config.quantization)
+        model = load_model(model_path, dtype, device, config.quantization, config.load_format, config.seed)
         if type(model) is not LlamaForCausalLM:
             raise ValueError(f"tensor/pipeline parallelism splits Llama-family decoders; "
                              f"{type(model).__name__} is not one")

@@ -9,28 +9,12 @@ the memory available now and refuses up front, with the numbers.
 
 from __future__ import annotations
 
-import os
 
 import torch
 
 from llmopt.engine.block_manager import HOST_BYTES_PER_BLOCK
 from llmopt.model.loader import trim_heap
-
-
-def host_available_bytes() -> int | None:
-    """RAM that can be allocated now without swapping: Linux's MemAvailable (page cache that can
-    be dropped included), else the free pages; None where neither can be read."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):  # not on this platform (macOS, Windows)
-        return None
+from llmopt.model.memory import host_available_bytes
 
 
 def check_kv_pool_fits(num_blocks: int, bytes_per_block: int, device: torch.device) -> None:

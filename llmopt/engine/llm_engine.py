@@ -59,6 +59,7 @@ class LLMEngine:
         self.device = config.torch_device()
         self.dtype = config.torch_dtype(self.model_config.torch_dtype)
         self.tokenizer = load_tokenizer(resolve_model(config.tokenizer) if config.tokenizer else self.model_path)
+        self.detokenizer = None if config.load_format == "dummy" else self.tokenizer  # random weights: ids only
         self.eos_token_ids = set(self.model_config.eos_token_ids) | generation_eos_ids(self.model_path)
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
@@ -70,7 +71,8 @@ class LLMEngine:
             self.executor = start_workers(config, self.model_path, self.model_config, self.dtype, self.device)
             self.model = self.executor.model  # the driver's own shard
         else:
-            self.model = load_model(self.model_path, self.dtype, self.device, config.quantization)
+            self.model = load_model(self.model_path, self.dtype, self.device, config.quantization,
+                                    config.load_format, config.seed)
             huge_pages.move_weights(self.model)  # CPU weights onto 2 MB pages, before anything holds one
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
 
@@ -119,8 +121,7 @@ class LLMEngine:
         self.step_count = 0
         self.stats = {"num_requests": 0, "num_finished": 0, "num_aborted": 0, "num_failed": 0,
                       "prompt_tokens": 0, "generation_tokens": 0}
-        sc = config.speculative_config
-        self.num_spec_tokens = sc["num_speculative_tokens"] if sc else 0
+        self.num_spec_tokens = (config.speculative_config or {}).get("num_speculative_tokens", 0)
         if self.proposer is not None:
             self.proposer.bind(self.num_blocks, self.block_size, self.kv_cache,
                                compiled=self.decode_path == "compiled", kernels=not config.enforce_eager)
@@ -196,7 +197,7 @@ class LLMEngine:
         self.remove_request(seq)
         seq.error = error
         seq.finish("error", None)
-        seq.finalize_text(self.tokenizer)
+        seq.finalize_text(self.detokenizer)
         self.stats["num_failed"] += 1
         return seq.to_output()
 
@@ -238,7 +239,7 @@ class LLMEngine:
 
     def _finish(self, seq: Sequence) -> RequestOutput:
         self.remove_request(seq)
-        seq.finalize_text(self.tokenizer)
+        seq.finalize_text(self.detokenizer)
         self.stats["num_finished"] += 1
         return seq.to_output()
 

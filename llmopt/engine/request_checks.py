@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from numbers import Integral
 
+from llmopt.model.dummy import refuse_text
 from llmopt.sampling_params import SamplingParams
 
 
@@ -26,6 +27,9 @@ def check_text(name: str, text: str) -> None:
 def check_prompt(engine, prompt, index: int | str = 0) -> tuple[str | None, list[int]]:
     """A prompt (text, or {'prompt_token_ids': [...]}) -> (text, token ids); ValueError if bad."""
     name = f"prompt {index}"
+    if engine.config.load_format == "dummy" and (isinstance(prompt, str) or (
+            isinstance(prompt, dict) and "prompt_token_ids" not in prompt)):
+        raise refuse_text(f"{name}: a text prompt", str(engine.config.model))
     if isinstance(prompt, str):
         if not prompt:
             raise ValueError(f"{name} is empty; give at least one character or token")
@@ -60,6 +64,8 @@ def check_request(engine, ids: list[int], params: SamplingParams, index: int | s
     preempt everyone and still not fit)."""
     if not isinstance(params, SamplingParams):
         raise ValueError(f"request {index}: sampling params must be a SamplingParams")
+    if engine.config.load_format == "dummy" and params.stop_strings:
+        raise refuse_text(f"request {index}: stop (strings to find in the text)", str(engine.config.model))
     vocab = engine.model_config.vocab_size
     outside = [t for t in params.stop_token_ids if t >= vocab]
     if outside:

@@ -25,6 +25,12 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: dict | None) -> to
         inv_freq = _llama3_scaling(inv_freq, scaling)
     elif rope_type == "yarn":
         inv_freq = _yarn_scaling(head_dim, theta, scaling)
+    elif rope_type == "freq_factors":  # llama.cpp's rope_freqs: each frequency divided by its own factor
+        factors = torch.tensor(scaling["freq_factors"], dtype=torch.float32)
+        if factors.numel() != inv_freq.numel():
+            raise ValueError(f"freq_factors has {factors.numel()} factors; a head of {head_dim} rotates "
+                             f"{inv_freq.numel()} pairs")
+        inv_freq = inv_freq / factors
     return inv_freq
 
 

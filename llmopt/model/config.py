@@ -22,7 +22,7 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",  # sliding-window attention
     "DeepseekV3ForCausalLM": "deepseek_v3",  # MLA + mixture of experts (llmopt/model/deepseek.py)
 }
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")  # the last: a GGUF's rope_freqs
 YARN_ARCHITECTURES = ("deepseek_v3",)  # YaRN, tested against transformers for these only
 
 
@@ -185,6 +185,13 @@ def _rope(c: dict, source: str, family: str = "llama") -> tuple[float, dict | No
     scaling["rope_type"] = rope_type
     scaling.setdefault("original_max_position_embeddings", c.get("max_position_embeddings"))
     # the numbers RotaryEmbedding divides by: a missing one was a KeyError, a string a TypeError
+    if rope_type == "freq_factors":  # one divisor per frequency, as llama.cpp's rope_freqs.weight
+        factors = scaling.get("freq_factors")
+        if not isinstance(factors, list) or not factors or not all(
+                isinstance(f, (int, float)) and not isinstance(f, bool) and f > 0 for f in factors):
+            raise ValueError(f"{source}: freq_factors rope scaling needs 'freq_factors', a list of positive "
+                             f"numbers (one per rotated pair), got {factors!r}")
+        return theta, scaling
     needed = {"linear": ("factor",), "yarn": ("factor",),
               "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
     for key in needed[rope_type]:

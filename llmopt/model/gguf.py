@@ -165,9 +165,6 @@ def _hf_config(key: tuple[str, int, int]) -> dict:
         raise ValueError(f"GGUF file {path}: RoPE rotates {rotated} of {head_dim} dimensions per head "
                          "(partial rotary), which llmopt's Llama decoder does not implement")
     names = {t.name for t in r.tensors}
-    if "rope_freqs.weight" in names:
-        raise ValueError(f"GGUF file {path} carries per-frequency RoPE factors (rope_freqs.weight, "
-                         "Llama 3.1-style scaling); load the model's Hugging Face folder instead")
     vocab = _field(r, f"{arch}.vocab_size")
     if vocab is None:
         tokens = r.fields.get("tokenizer.ggml.tokens")
@@ -195,6 +192,12 @@ def _hf_config(key: tuple[str, int, int]) -> dict:
     }
     if vocab is None:
         raise ValueError(f"GGUF file {path} has neither {arch}.vocab_size nor a tokenizer vocabulary")
+    if "rope_freqs.weight" in names:
+        # Llama 3.1 / 3.2's RoPE scaling, as llama.cpp's converter stores it: not its four
+        # parameters but what they compute, one divisor per frequency
+        factors = next(t for t in r.tensors if t.name == "rope_freqs.weight")
+        config["rope_scaling"] = {"rope_type": "freq_factors",
+                                  "freq_factors": [float(f) for f in np.asarray(factors.data, np.float32)]}
     scaling = _field(r, f"{arch}.rope.scaling.type")
     if scaling not in (None, "none"):
         if scaling != "linear":
@@ -205,7 +208,7 @@ def _hf_config(key: tuple[str, int, int]) -> dict:
 
 def tensor_elements(path: str | Path) -> dict[str, int]:
     """Each tensor's element count, from the file's header (no tensor is dequantized)."""
-    return {t.name: t.n_elements for t in gguf_tensors(path)}
+    return {t.name: t.n_elements for t in gguf_tensors(path) if t.name != "rope_freqs.weight"}  # not a weight
 
 
 def unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:

@@ -29,6 +29,7 @@ from llmopt.layers.rotary import RotaryEmbedding
 from llmopt.model.config import ModelConfig
 from llmopt.model.gguf import forget_gguf_readers, is_gguf, iter_gguf, load_gguf_tokenizer, tensor_elements
 from llmopt.model.llama import LlamaForCausalLM
+from llmopt.model.registry import tokenizer_folder
 
 
 def index_shards(index: Path) -> list[str]:
@@ -58,7 +59,9 @@ def safetensors_files(folder: Path) -> list[Path]:
         files = sorted(folder.glob("*.safetensors"))
     if not files:
         other = [p.name for p in folder.glob("*.bin")] + [p.name for p in folder.glob("*.pt")]
-        hint = f" (found {', '.join(other)}: convert them to safetensors)" if other else ""
+        hint = (f" (found {', '.join(other)}: convert them to safetensors)" if other else
+                "; a config.json alone is a model's shape: load_format='dummy' builds it with random "
+                "weights (speed only)")
         raise ValueError(f"checkpoint folder {folder} has no model.safetensors{hint}")
     for f in files:
         if not f.is_file():
@@ -123,11 +126,14 @@ def check_weight_count(model, stored: dict[str, int], source: str) -> None:
                          f"{c.intermediate_size}, num_hidden_layers {c.num_hidden_layers}) must match the weights")
 
 
-def load_model(folder: str | Path, dtype: torch.dtype = torch.float32,
-               device: str | torch.device = "cpu", quantization: str | None = None) -> LlamaForCausalLM:
-    """A Hugging Face folder (safetensors) or a GGUF file -> the decoder, weights loaded."""
+def load_model(folder: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+               quantization: str | None = None, load_format: str = "auto", seed: int = 0) -> LlamaForCausalLM:
+    """A Hugging Face folder (safetensors) or a GGUF file -> the decoder, weights loaded; with
+    load_format="dummy", the decoder its config describes with random weights (llmopt.model.dummy)."""
     folder = Path(folder)
     cfg = ModelConfig.from_pretrained(folder)
+    if load_format == "dummy":
+        return _dummy_model(cfg, folder, dtype, torch.device(device), quantization, seed)
     keep_gguf_blocks = quantization == "gguf"   # llmopt.model.gguf_repack, after the dense load
     if keep_gguf_blocks:
         if not is_gguf(folder):
@@ -156,11 +162,7 @@ def load_model(folder: str | Path, dtype: torch.dtype = torch.float32,
         model = model.to_empty(device=device)
     else:
         model = model.to_empty(device=device).to(dtype)
-    if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
-    rope_dim = cfg.mla.qk_rope_head_dim if cfg.mla is not None else cfg.head_dim
-    model.model.rotary_emb = RotaryEmbedding(rope_dim, cfg.max_position_embeddings,
-                                             cfg.rope_theta, cfg.rope_scaling).to(device)
+    tie_and_rotate(model, cfg, device)
     load_weights(model, weights, source=str(folder))
     if is_gguf(folder) and not keep_gguf_blocks:
         # The parsed header (a 49K-token vocabulary as ~10^5 small arrays) and the file's map
@@ -175,6 +177,34 @@ def load_model(folder: str | Path, dtype: torch.dtype = torch.float32,
 
         repack_gguf_linears(model, str(folder))
         forget_gguf_readers()
+    trim_heap()
+    return model.eval()
+
+
+def tie_and_rotate(model, cfg: ModelConfig, device) -> None:
+    """What no checkpoint stores: the tied head (the embedding itself) and the RoPE table."""
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    rope_dim = cfg.mla.qk_rope_head_dim if cfg.mla is not None else cfg.head_dim
+    model.model.rotary_emb = RotaryEmbedding(rope_dim, cfg.max_position_embeddings,
+                                             cfg.rope_theta, cfg.rope_scaling).to(device)
+
+
+def _dummy_model(cfg: ModelConfig, folder: Path, dtype: torch.dtype, device: torch.device,
+                 quantization: str | None, seed: int) -> LlamaForCausalLM:
+    """The decoder of `cfg`, allocated in `dtype` and filled with random weights."""
+    from llmopt.model.dummy import check_fits, fill_random
+    if cfg.quantization_config is not None:   # (quantizing on load, quantization='int8' / 'fp8', works)
+        raise ValueError(f"{folder}: load_format='dummy' makes dense random weights, but this config.json "
+                         f"names a quantized checkpoint ({cfg.quantization_config.get('quant_method')!r})")
+    with torch.device("meta"):
+        model = model_class(cfg)(cfg).to(dtype)   # cast on meta: allocated once, in dtype
+    check_fits(model, dtype, device, folder.name)
+    model = model.to_empty(device=device)
+    tie_and_rotate(model, cfg, device)
+    fill_random(model, seed=seed)
+    if quantization is not None:
+        quantize_linears(model, quantization)
     trim_heap()
     return model.eval()
 
@@ -207,6 +237,7 @@ def load_tokenizer(path: str | Path):
 
     if is_gguf(path):
         return load_gguf_tokenizer(path)
+    path = tokenizer_folder(path)
     try:
         return AutoTokenizer.from_pretrained(str(path))
     except Exception as e:

