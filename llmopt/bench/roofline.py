@@ -10,9 +10,11 @@ and the share of the bandwidth a step achieves says how much of its time is the 
 much is everything else (per-op overhead, gathers, slow kernels). As gpt-fast does, every
 figure here carries its GB/s.
 
-1. The machine: a large read, copy and triad (STREAM's a = b + s * c) of initialized memory,
-   per thread count. (`torch.empty` pages never written read as the kernel's shared zero page,
-   which reports several times the real bandwidth: every buffer here is written first.)
+1. The machine: STREAM's four kernels (copy, scale, add, triad a = b + s * c) and a plain read
+   over initialized arrays at least 10x the last-level cache, per thread count, the best of
+   several runs; the best kernel is the bandwidth the step is held to. (`torch.empty` pages never
+   written read as the kernel's shared zero page, which reports several times the real
+   bandwidth: every array here is written first.)
 2. The engine: B sequences with `context` tokens cached each, then `steps` decode steps timed
    one by one; bytes per step, step time, achieved GB/s and its share of the read bandwidth,
    for every batch size, and the batch where step time starts to grow (the bend).
@@ -30,10 +32,21 @@ from llmopt.bench.common import table
 
 # -- 1. the machine's bandwidth ----------------------------------------------------------------------
 
-def measure_bandwidth(thread_counts=(1, 2), megabytes: int = 512, repeats: int = 5) -> list[dict]:
-    """GB/s of read, copy and triad on float32 buffers of `megabytes` each; the best of `repeats`.
-    Bytes counted as STREAM counts them: read 1, copy 2, triad 3 buffers' worth."""
-    n = megabytes * 2**20 // 4
+def stream_megabytes(llc: int | None = None) -> int:
+    """STREAM's rule for its arrays: each at least 10x the last-level cache, so that every pass
+    reads memory, not cache (512 MB at the least; 3 GB where the LLC is 300 MB)."""
+    from llmopt.bench.common import llc_bytes
+
+    llc = llc_bytes() if llc is None else llc
+    return max(512, -(-10 * (llc or 0) // 2**20))
+
+
+def measure_bandwidth(thread_counts=(1, 2), megabytes: int | None = None, repeats: int = 5) -> list[dict]:
+    """GB/s of STREAM's kernels on float32 arrays of `megabytes` each (default `stream_megabytes`),
+    per thread count, each the best of `repeats`; plus a plain read (a sum). Bytes counted as
+    STREAM counts them: read 1, copy and scale 2, add and triad 3 arrays' worth. A row's "best" is
+    the highest of them: the bandwidth this machine showed it can reach."""
+    n = (megabytes or stream_megabytes()) * 2**20 // 4
     a, b, c = (torch.rand(n) for _ in range(3))  # written: every page is real memory
     before = torch.get_num_threads()
     rows = []
@@ -41,12 +54,14 @@ def measure_bandwidth(thread_counts=(1, 2), megabytes: int = 512, repeats: int =
         for threads in thread_counts:
             torch.set_num_threads(threads)
             kernels = {"read": (lambda: b.sum(), 1), "copy": (lambda: a.copy_(b), 2),
+                       "scale": (lambda: torch.mul(b, 3.0, out=a), 2), "add": (lambda: torch.add(b, c, out=a), 3),
                        "triad": (lambda: torch.add(b, c, alpha=3.0, out=a), 3)}
-            row = {"threads": threads}
+            row = {"threads": threads, "array_mb": n * 4 // 2**20}
             for name, (fn, arrays) in kernels.items():
                 fn()  # warm
                 best = min(_seconds(fn) for _ in range(repeats))
                 row[name] = arrays * n * 4 / best / 1e9
+            row["best"] = max(row[k] for k in kernels)
             rows.append(row)
     finally:
         torch.set_num_threads(before)
@@ -126,8 +141,9 @@ def bench_roofline(llm, batches: list[int], context: int, steps: int, token_ids:
     weights = weight_bytes_per_step(engine.model)
     per_token = kv_bytes_per_token(engine)
     threads = torch.get_num_threads()
-    read_bw = max((r["read"] for r in bandwidth if r["threads"] == threads),
-                  default=max(r["read"] for r in bandwidth))
+    here = [r for r in bandwidth if r["threads"] == threads] or bandwidth
+    read_bw = max(r["read"] for r in here)
+    dram_bw = max(r.get("best", r["read"]) for r in here)   # the step is held to the best kernel's
     time_decode_steps(llm, 1, context, 4, token_ids)  # warm-up: first calls allocate and compile
     rows = []
     for batch in progress_bar(batches, "roofline", progress):
@@ -136,20 +152,20 @@ def bench_roofline(llm, batches: list[int], context: int, steps: int, token_ids:
         kv = batch * (context + steps // 2) * per_token  # each step attends the cache as it is then
         gbs = (weights + kv) / step / 1e9
         rows.append({"batch": batch, "context": context, "step_ms": 1e3 * step, "tok_s": batch / step,
-                     "weight_mb": weights / 1e6, "kv_mb": kv / 1e6, "gb_s": gbs, "share": gbs / read_bw})
+                     "weight_mb": weights / 1e6, "kv_mb": kv / 1e6, "gb_s": gbs, "share": gbs / dram_bw})
     base = rows[0]["step_ms"] if rows else 1.0
     for r in rows:
         r["vs_batch_1"] = r["step_ms"] / base
     bend = next((r["batch"] for r in rows if r["vs_batch_1"] > 1.3), None)
-    return {"workload": "roofline", "bandwidth": bandwidth, "read_gb_s": read_bw, "rows": rows,
+    return {"workload": "roofline", "bandwidth": bandwidth, "read_gb_s": read_bw, "dram_gb_s": dram_bw, "rows": rows,
             "bend_batch": bend, "weight_bytes": weights, "kv_bytes_per_token": per_token}
 
 
 def roofline_table(raw: dict) -> str:
-    bw = table(["threads", "read GB/s", "copy GB/s", "triad GB/s"],
-               [[r["threads"], f"{r['read']:.1f}", f"{r['copy']:.1f}", f"{r['triad']:.1f}"]
-                for r in raw["bandwidth"]])
-    steps = table(["batch", "context", "step ms", "tok/s", "weights MB", "KV MB", "GB/s", "share of read bw",
+    kernels = [k for k in ("read", "copy", "scale", "add", "triad", "best") if k in raw["bandwidth"][0]]
+    bw = table(["threads", *(f"{k} GB/s" for k in kernels)],
+               [[r["threads"], *(f"{r[k]:.1f}" for k in kernels)] for r in raw["bandwidth"]])
+    steps = table(["batch", "context", "step ms", "tok/s", "weights MB", "KV MB", "GB/s", "share of DRAM bw",
                    "step vs batch 1"],
                   [[r["batch"], r["context"], f"{r['step_ms']:.2f}", f"{r['tok_s']:.1f}", f"{r['weight_mb']:.1f}",
                     f"{r['kv_mb']:.1f}", f"{r['gb_s']:.1f}", f"{100 * r['share']:.0f}%", f"{r['vs_batch_1']:.2f}x"]
@@ -157,5 +173,7 @@ def roofline_table(raw: dict) -> str:
     bend = raw["bend_batch"]
     note = (f"Step time first grows past 1.3x batch 1's at batch {bend}." if bend else
             "Step time stays within 1.3x of batch 1's at every batch measured.")
-    return (f"Machine bandwidth (initialized float32 buffers):\n\n{bw}\n\nDecode steps (read bandwidth "
-            f"{raw['read_gb_s']:.1f} GB/s at this thread count):\n\n{steps}\n\n{note}")
+    dram = raw.get("dram_gb_s", raw["read_gb_s"])
+    return (f"Machine bandwidth (STREAM's kernels on initialized float32 arrays of "
+            f"{raw['bandwidth'][0].get('array_mb', '?')} MB):\n\n{bw}\n\nDecode steps (DRAM bandwidth, the best "
+            f"kernel's at this thread count: {dram:.1f} GB/s):\n\n{steps}\n\n{note}")

@@ -20,7 +20,7 @@ def roofline_rows(runs: dict[str, dict]) -> list[dict]:
         for r in raw["rows"]:
             rows.append({"decode path": label, "batch": r["batch"], "step ms": r["step_ms"], "tok/s": r["tok_s"],
                          "MB read": r["weight_mb"] + r["kv_mb"], "GB/s": r["gb_s"],
-                         "share of read bandwidth": f"{100 * r['share']:.0f}%",
+                         "share of DRAM bandwidth": f"{100 * r['share']:.0f}%",
                          "step vs batch 1": f"{r['vs_batch_1']:.2f}x"})
     return rows
 
@@ -29,7 +29,7 @@ def roofline_figure(runs: dict[str, dict]) -> go.Figure:
     """Step time per batch size for each decode path, and the floor the read bandwidth sets."""
     fig = go.Figure()
     any_raw = next(iter(runs.values()))
-    bw = any_raw["read_gb_s"]
+    bw = any_raw.get("dram_gb_s", any_raw["read_gb_s"])
     batches = [r["batch"] for r in any_raw["rows"]]
     floor = [(r["weight_mb"] + r["kv_mb"]) * 1e6 / (bw * 1e9) * 1e3 for r in any_raw["rows"]]
     fig.add_trace(go.Scatter(x=batches, y=floor, name=f"floor: bytes / {bw:.0f} GB/s", mode="lines",

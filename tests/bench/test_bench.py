@@ -151,3 +151,16 @@ def test_smollm2_benchmark_script_runs_side_by_side(tmp_path):
     raw = json.loads((tmp_path / "smollm2.json").read_text())["float32"]
     assert raw["hf_identical_to_engine"] == 3 and raw["engine_num_preemptions"] == 0
     assert raw["phases"]["decode_steps"] > 0 and raw["profile"]["ops"]
+
+
+def test_bandwidth_is_measured_as_stream_does():
+    from llmopt.bench.common import llc_bytes, machine
+    from llmopt.bench.roofline import measure_bandwidth, stream_megabytes
+
+    assert stream_megabytes(300 * 2**20) == 3000 and stream_megabytes(8 * 2**20) == 512   # >= 10x the LLC
+    llc = llc_bytes()
+    assert llc is None or (llc > 0 and f"{llc / 2**20:g} MiB LLC" in machine())
+    rows = measure_bandwidth((1,), megabytes=16, repeats=1)
+    kernels = ("read", "copy", "scale", "add", "triad")
+    assert [r["threads"] for r in rows] == [1] and rows[0]["array_mb"] == 16
+    assert all(rows[0][k] > 0 for k in kernels) and rows[0]["best"] == max(rows[0][k] for k in kernels)
