@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from llmopt.model import memory
+from llmopt.model.memory import available_bytes
 
 DEFAULT_STD = 0.02
 
@@ -36,7 +36,7 @@ def weight_bytes(model: nn.Module, dtype: torch.dtype) -> int:
 
 def check_fits(model: nn.Module, dtype: torch.dtype, device: torch.device, name: str) -> None:
     """ValueError before any allocation when the weights alone would not fit in memory."""
-    need, free = weight_bytes(model, dtype), memory.available_bytes(device)
+    need, free = weight_bytes(model, dtype), available_bytes(device)
     if free is not None and need > 0.9 * free:
         smaller = "" if dtype.itemsize <= 2 else " dtype='bfloat16' halves it;"
         raise ValueError(f"{name} with random weights in {str(dtype).removeprefix('torch.')} needs "

@@ -26,6 +26,9 @@ The quantizers here are round-to-nearest at both levels (sub-block scale and min
 the sub-block's range, then those rounded to 6 or 8 bits against the super-block's scale,
 then the weights rounded against the rounded scales). llama.cpp searches a few candidate
 scales per sub-block (make_qkx2_quants) for a slightly lower error; the bytes mean the same.
+
+Loaded with quantization="gguf", a file's k-quant bytes are not dequantized: the C++ kernels
+multiply them as they lie (llmopt.kernels.cpu.kquant_blocks).
 """
 
 from __future__ import annotations

@@ -34,7 +34,8 @@ from torch import nn
 
 from llmopt.kernels import cpu
 from llmopt.layers.attention import AttentionMetadata
-from llmopt.layers.quant.gguf_linear import KERNEL_MAX_ROWS, UNLIMITED, GGUFLinear
+from llmopt.kernels.cpu.kquant_blocks import KQuantWeight
+from llmopt.layers.quant.gguf_linear import UNLIMITED, GGUFLinear
 from llmopt.worker import huge_pages
 from llmopt.worker.model_runner import StepBackend
 
@@ -122,12 +123,15 @@ class CompiledLayers:
             if not isinstance(lin, GGUFLinear):
                 return ext.Linear(kind=0, w=dense[id(lin)], qs=none, d=none, mn=none, bias=bias,
                                   int8=False, max_rows=UNLIMITED, dense_rows=self.dense_rows)
-            b, max_rows = lin.weight_blocks, KERNEL_MAX_ROWS[dtype]
-            # the dense copy is what batches above KERNEL_MAX_ROWS multiply by, where there is a limit
+            b, max_rows = lin.weight_blocks, lin.kernel_max_rows(dtype)
+            # the dense copy is what batches above the kernel's limit multiply by, where there is one
             w = lin.dense_weight(dtype) if max_rows < UNLIMITED else none
             qs, d, mn = b.kernel_blocks(lin.activations)
+            # k-quant super-blocks name their row ranges (one, or several of both types stacked)
+            kinds, rows = b.kernel_parts() if isinstance(b, KQuantWeight) else ([], [])
             return ext.Linear(kind=b.ggml_type, w=w, qs=qs, d=d, mn=mn, bias=bias,
-                              int8=lin.activations == "int8", max_rows=max_rows, dense_rows=self.dense_rows)
+                              int8=lin.activations == "int8", max_rows=max_rows, dense_rows=self.dense_rows,
+                              part_kinds=kinds, part_rows=rows)
 
         # the pool is in the model's dtype (why_not refuses FP8 pools): unit scales
         self.layers = [ext.DecoderLayer(

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from llmopt import LLM, SamplingParams
-from llmopt.model import dummy, memory
+from llmopt.model import dummy
 from llmopt.model.config import ModelConfig
 from llmopt.model.loader import load_model, model_class
 from llmopt.model.registry import SHAPES, list_models, model_path
@@ -137,7 +137,7 @@ def test_bad_load_format_arguments_fail_before_loading(kwargs, match):
 
 
 def test_a_shape_too_big_for_memory_is_refused_before_allocating(monkeypatch):
-    monkeypatch.setattr(memory, "available_bytes", lambda device: 2 * 2**30)   # a 2 GiB machine
+    monkeypatch.setattr(dummy, "available_bytes", lambda device: 2 * 2**30)   # a 2 GiB machine
     with pytest.raises(ValueError, match=r"llama-3.2-1b .* float32 needs 4\.6 GiB.*2\.0 GiB.*bfloat16"):
         LLM("llama-3.2-1b", load_format="dummy", dtype="float32")
 

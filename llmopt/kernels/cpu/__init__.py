@@ -8,9 +8,11 @@ build is a long wait (measured: benchmarks/README.md, "Measurements behind the c
 Without a working C++ compiler (or with LLMOPT_CPU_KERNELS=0) `available()` is False, one notice
 says so, and callers take their plain torch paths.
 
-What is here: `gguf_matmul` (GGUF Q8_0 / Q4_0 / Q4_1 blocks times activations),
-`paged_attention` (attention reading the paged KV pool in place), and `decode_layers` (a
-decode step through every layer in one call, llmopt/worker/compiled_decode.py).
+What is here: `gguf_matmul` (GGUF Q8_0 / Q4_0 / Q4_1 blocks, and Q4_K / Q6_K super-blocks,
+times activations), `kquant_matmul` (k-quant super-blocks, row ranges of both types stacked in
+one weight), `dense_matmul` (a dense weight at a few rows of x), `paged_attention` (attention
+reading the paged KV pool in place), and `decode_layers` (a decode step through every layer in
+one call, llmopt/worker/compiled_decode.py).
 """
 
 from __future__ import annotations
@@ -27,8 +29,9 @@ from pathlib import Path
 from typing import Callable
 
 SOURCES = ("bindings.cpp", "dense_matmul.cpp", "dense_panels.cpp", "gguf_matmul.cpp", "gguf_panels.cpp",
-           "paged_attention.cpp", "decode_step.cpp")
-HEADERS = ("common.h", "decode_step.h", "gguf_rows.h", "gguf_vnni.h", "gguf_panels.h", "paged_attention_avx512.h", "paged_attention_prompt.h")
+           "kquant_matmul.cpp", "paged_attention.cpp", "decode_step.cpp")
+HEADERS = ("common.h", "decode_step.h", "gguf_rows.h", "gguf_vnni.h", "gguf_panels.h", "kquant_rows.h",
+           "paged_attention_avx512.h", "paged_attention_prompt.h")
 BASE_CFLAGS = ("-O3", "-fopenmp", "-std=c++17")
 # The host's own vector instructions, unless PyTorch is pinned to an ISA (ATEN_CPU_CAPABILITY, as
 # the lessons pin AVX2 so that every x86 machine sums in the same order): then the same one here.

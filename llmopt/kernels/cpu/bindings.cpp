@@ -8,6 +8,9 @@ torch::Tensor gguf_matmul(const torch::Tensor& x, const torch::Tensor& qs, const
                           const torch::Tensor& mn, int64_t type, bool int8_activations);
 bool gguf_panels_supported();
 std::vector<torch::Tensor> quantize_activations(const torch::Tensor& x);
+torch::Tensor kquant_matmul(const torch::Tensor& x, const torch::Tensor& qs, const std::vector<int64_t>& types,
+                            const std::vector<int64_t>& rows, bool int8_activations);
+std::vector<torch::Tensor> quantize_activations_k(const torch::Tensor& x);
 torch::Tensor dense_matmul(const torch::Tensor& x, const torch::Tensor& w);
 bool dense_panels_supported();
 torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
@@ -17,7 +20,9 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_poo
 }  // namespace llmopt
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("gguf_matmul", &llmopt::gguf_matmul, "y = x @ W^T, W as GGUF Q8_0 / Q4_0 / Q4_1 blocks (rows, or panels of 16 rows)");
+  m.def("gguf_matmul", &llmopt::gguf_matmul, "y = x @ W^T, W as GGUF Q8_0 / Q4_0 / Q4_1 blocks (rows, or panels of 16 rows) or Q4_K / Q6_K super-blocks");
+  m.def("kquant_matmul", &llmopt::kquant_matmul, "y = x @ W^T, W as GGUF k-quant super-blocks: row ranges (types, rows) of Q4_K / Q6_K, back to back in qs");
+  m.def("quantize_activations_k", &llmopt::quantize_activations_k, "x per 256 values to int8 (Q8_K): q, d, bsums");
   m.def("gguf_panels_supported", &llmopt::gguf_panels_supported, "whether this build runs GGUF panels (AVX512_VNNI)");
   m.def("dense_matmul", &llmopt::dense_matmul, "y = x @ W^T, W dense bf16 or fp32 [N, K] (a few rows of x) or bf16 panels [N / 32, K / 2, 2, 16, 2] (any), summed in float32, returned in x's dtype");
   m.def("dense_panels_supported", &llmopt::dense_panels_supported, "whether this build runs bf16 weight panels (AVX-512)");
@@ -26,11 +31,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // One decoder layer's weights and pool, named (decode_step.h); an empty bias tensor means none.
   py::class_<llmopt::Linear>(m, "Linear")
       .def(py::init([](int64_t kind, at::Tensor w, at::Tensor qs, at::Tensor d, at::Tensor mn, at::Tensor bias,
-                       bool int8, int64_t max_rows, int64_t dense_rows) {
-             return llmopt::Linear{kind, w, qs, d, mn, bias.numel() ? bias : at::Tensor(), int8, max_rows, dense_rows};
+                       bool int8, int64_t max_rows, int64_t dense_rows, std::vector<int64_t> part_kinds,
+                       std::vector<int64_t> part_rows) {
+             return llmopt::Linear{kind, w, qs, d, mn, bias.numel() ? bias : at::Tensor(), int8, max_rows, dense_rows,
+                                   part_kinds, part_rows};
            }),
            py::arg("kind"), py::arg("w"), py::arg("qs"), py::arg("d"), py::arg("mn"), py::arg("bias"),
-           py::arg("int8"), py::arg("max_rows"), py::arg("dense_rows"))
+           py::arg("int8"), py::arg("max_rows"), py::arg("dense_rows"),
+           py::arg("part_kinds") = std::vector<int64_t>{}, py::arg("part_rows") = std::vector<int64_t>{})
       .def_readonly("kind", &llmopt::Linear::kind);
   py::class_<llmopt::DecoderLayer>(m, "DecoderLayer")
       .def(py::init([](at::Tensor input_norm, at::Tensor post_attention_norm, llmopt::Linear qkv, llmopt::Linear o,

@@ -12,6 +12,16 @@
 
 namespace llmopt {
 
+#ifdef LLMOPT_AVX2
+// The sum of a vector's 8 floats (the last step of every AVX2 dot product).
+static inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#endif
+
 inline float bf16_to_float(uint16_t h) {
   uint32_t bits = uint32_t(h) << 16;
   float f;

@@ -24,6 +24,8 @@
 namespace llmopt {
 at::Tensor gguf_matmul(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, const at::Tensor& mn,
                        int64_t type, bool int8_activations);
+at::Tensor kquant_matmul(const at::Tensor& x, const at::Tensor& qs, const std::vector<int64_t>& types,
+                         const std::vector<int64_t>& rows, bool int8_activations);
 at::Tensor dense_matmul(const at::Tensor& x, const at::Tensor& w);
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                            const at::Tensor& block_table, const at::Tensor& query_start_loc,
@@ -37,7 +39,8 @@ at::Tensor apply(const Linear& l, const at::Tensor& x) {
     return l.bias.defined() ? y + l.bias : y;
   }
   if (l.kind == 0 || x.size(0) > l.max_rows) return at::linear(x, l.w, l.bias);
-  at::Tensor y = gguf_matmul(x, l.qs, l.d, l.mn, l.kind, l.int8);
+  at::Tensor y = l.part_kinds.empty() ? gguf_matmul(x, l.qs, l.d, l.mn, l.kind, l.int8)
+                                      : kquant_matmul(x, l.qs, l.part_kinds, l.part_rows, l.int8);
   return l.bias.defined() ? y + l.bias : y;
 }
 

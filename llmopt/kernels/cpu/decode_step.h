@@ -11,14 +11,17 @@ namespace llmopt {
 // One linear layer (nn.Linear, or llmopt.layers.quant.gguf_linear's GGUFLinear): kind 0 = a dense
 // weight, either bf16 panels [N / 32, K / 2, 2, 16, 2] (dense_panels.cpp, any number of rows) or
 // w [N, K], multiplied by dense_matmul.cpp's kernel for up to dense_rows rows of x and by torch's
-// matmul above that; else the GGUF block type (2, 3, 8) of blocks (qs, d, mn), multiplied with int8
-// (llama.cpp's) or float activations for up to max_rows rows of x, and by the dense copy w above that.
-// bias is undefined where the layer has none.
+// matmul above that; else GGUF blocks, multiplied with int8 (llama.cpp's) or float activations for
+// up to max_rows rows of x, and by the dense copy w above that: kind 2, 3, 8 the block type of
+// blocks (qs, d, mn) (gguf_matmul.cpp); k-quant super-blocks (kquant_matmul.cpp) carry part_kinds
+// and part_rows, their row ranges' types (12, 14) and row counts, all ranges' bytes in qs (kind 12 or
+// 14 where all are of one type, -1 where they are not). bias is undefined where the layer has none.
 struct Linear {
   int64_t kind;
   at::Tensor w, qs, d, mn, bias;
   bool int8;
   int64_t max_rows, dense_rows;
+  std::vector<int64_t> part_kinds, part_rows;
 };
 
 // LlamaDecoderLayer (llmopt/model/llama.py): its two RMSNorm weights, its four linears, and its

@@ -14,6 +14,9 @@ on the same blocks regrouped by `panels` into 16 rows, gguf_panels.cpp). With
 32 values to int8 with an fp16 scale, and block dot products are exact integer sums;
 `emulate_int8` computes the same thing in plain torch. `activations="float32"` multiplies
 the exact weights by unrounded x. `dequantize` is the plain-torch meaning of the blocks.
+
+The k-quants (Q4_K, Q6_K: super-blocks of 256 weights, two levels of scales) are
+llmopt.kernels.cpu.kquant_blocks's `KQuantWeight`, with the same interface.
 """
 
 from __future__ import annotations

@@ -1,5 +1,7 @@
 // y = x @ W^T with W held as GGUF Q8_0 / Q4_0 / Q4_1 blocks (32 weights, an fp16 scale d,
-// and for Q4_1 an fp16 min m), the arithmetic llama.cpp runs on a CPU.
+// and for Q4_1 an fp16 min m), the arithmetic llama.cpp runs on a CPU. The k-quants (Q4_K, Q6_K:
+// super-blocks of 256, their scales inside the bytes) take the same entry point with their ggml
+// type and are multiplied by kquant_matmul.cpp.
 //
 // Why this arithmetic at small M (decode): a step reads every weight once, so the kernel
 // must spend fewer cycles per weight than the memory needs to deliver it. On AVX2 multiplying
@@ -28,6 +30,7 @@
 #include "common.h"
 #include "gguf_rows.h"
 #include "gguf_vnni.h"
+#include "kquant_rows.h"
 
 namespace llmopt {
 
@@ -118,7 +121,7 @@ static void vnni_all(const uint8_t* wq, const uint16_t* wd, const uint16_t* wm, 
 static void check_weight(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
                          const at::Tensor& mn, int64_t type) {
   TORCH_CHECK_VALUE(type == Q8_0 || type == Q4_0 || type == Q4_1,
-                    "type must be Q8_0 (8), Q4_0 (2) or Q4_1 (3), got ", type);
+                    "type must be Q8_0 (8), Q4_0 (2), Q4_1 (3), Q4_K (12) or Q6_K (14), got ", type);
   TORCH_CHECK_VALUE(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
                     "x must be [M, K] float32 or bfloat16, got ", x.sizes(), " ", x.scalar_type());
   const int64_t bytes = type == Q8_0 ? 32 : 16;
@@ -234,9 +237,16 @@ static void run(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
 
 at::Tensor gguf_matmul_panels(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, const at::Tensor& mn,
                               int64_t type);
+at::Tensor kquant_matmul(const at::Tensor& x, const at::Tensor& qs, const std::vector<int64_t>& types,
+                         const std::vector<int64_t>& rows, bool int8_activations);
 
 at::Tensor gguf_matmul(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
                           const at::Tensor& mn, int64_t type, bool int8_activations) {
+  if (type == Q4_K || type == Q6_K) {  // super-blocks of one type, [N, K / 256, bytes] (kquant_matmul.cpp)
+    TORCH_CHECK_VALUE(qs.dim() == 3 && d.numel() == 0 && mn.numel() == 0,
+                      "k-quant super-blocks are qs [N, K / 256, bytes] with their scales inside; d and m must be empty");
+    return kquant_matmul(x, qs, {type}, {qs.size(0)}, int8_activations);
+  }
   if (qs.dim() == 4) {  // the blocks repacked in panels of 16 rows (gguf_panels.cpp)
     TORCH_CHECK_VALUE(int8_activations, "GGUF panels run int8 activations only; float32 ones take the row layout");
     return gguf_matmul_panels(x, qs, d, mn, type);

@@ -25,12 +25,6 @@ struct QuantizedRow {
 };
 
 #ifdef LLMOPT_AVX2
-static inline float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 
 // 16 bytes of nibbles -> 32 bytes: low nibbles (weights 0..15), then high (16..31).
 static inline __m256i unpack_nibbles(const uint8_t* p) {
