@@ -81,10 +81,13 @@ def weight_bytes_per_step(model) -> int:
 
     A layer that keeps its weights in a format of its own says what it reads (`weight_bytes()`);
     the token embedding is a lookup of B rows (nothing, next to the rest), unless it is tied to
-    the lm_head, which reads all of it."""
+    the lm_head, which reads all of it; so is the RoPE table (100 MB for Llama 3's 131,072
+    positions, of which a step reads B rows)."""
     total, seen = 0, set()
-    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    stack = getattr(model, "model", None)
+    embed, rotary = getattr(stack, "embed_tokens", None), getattr(stack, "rotary_emb", None)
     skip = {id(p) for p in embed.parameters()} if embed is not None else set()
+    skip |= {id(b) for b in rotary.buffers()} if rotary is not None else set()
     head = getattr(model, "lm_head", None)
     if head is not None:
         skip -= {id(p) for p in head.parameters()}  # tied: the head reads the whole matrix

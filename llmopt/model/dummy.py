@@ -83,6 +83,22 @@ def tile_over(flat: torch.Tensor, pool: torch.Tensor) -> None:
     flat[whole * period:].copy_(pool[:n - whole * period])
 
 
+def dummy_model(cfg, folder, dtype: torch.dtype, device: torch.device, seed: int = 0):
+    """The decoder of `cfg`, allocated in `dtype` on `device` and filled with random weights."""
+    from llmopt.model.build import meta_model, tie_and_rotate, trim_heap
+
+    if cfg.quantization_config is not None:   # (quantizing on load, quantization='int8' / 'fp8', works)
+        raise ValueError(f"{folder}: load_format='dummy' makes dense random weights, but this config.json "
+                         f"names a quantized checkpoint ({cfg.quantization_config.get('quant_method')!r})")
+    model = meta_model(cfg, dtype)
+    check_fits(model, dtype, device, folder.name)
+    model = model.to_empty(device=device)
+    tie_and_rotate(model, cfg, device)
+    fill_random(model, seed=seed)
+    trim_heap()
+    return model.eval()
+
+
 def refuse_text(what: str, model: str) -> ValueError:
     """The one error for anything that would read meaning into random weights."""
     return ValueError(f"{what} is refused: {model!r} was loaded with load_format='dummy', random weights "

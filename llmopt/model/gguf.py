@@ -219,8 +219,9 @@ def unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def iter_gguf(path: str | Path, config: dict | None = None):
-    """(Hugging Face name, float tensor) for every tensor the decoder needs, dequantized."""
+def iter_gguf(path: str | Path, config: dict | None = None, skip: set[str] = frozenset()):
+    """(Hugging Face name, float tensor) for every tensor the decoder needs, dequantized; the
+    GGUF names in `skip` (kept as blocks instead) are checked present but not read."""
     from gguf.quants import dequantize
 
     path = str(path)
@@ -239,6 +240,8 @@ def iter_gguf(path: str | Path, config: dict | None = None):
         raise ValueError(f"GGUF file {path} lacks the tensor {', '.join(missing[:3])}{more}")
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     for gguf_name, hf_name in expected.items():
+        if gguf_name in skip:
+            continue
         t = tensors[gguf_name]
         # Q / K rows are regrouped by head below: a wrong row count failed there as a bare torch
         # reshape error naming no tensor (load_weights checks every other shape against the model)

@@ -15,9 +15,10 @@ whose parts cannot stack (a 32-weight type beside a k-quant, or a type no kernel
 Q5_0, ...) stays dense. Q and K rows are put back in Hugging Face's order, a row's blocks moving
 with it.
 
-The tied output head (token_embd read backwards, as llama.cpp runs it) gets its own copy of
-the blocks, so at batch 1 the 49K x 576 head of SmolLM2 is read as 8 or 4 bits too; the
-embedding lookup keeps the dense table.
+The tied output head (token_embd read backwards, as llama.cpp runs it) is built from the same
+blocks, so at batch 1 the 49K x 576 head of SmolLM2 is read as 8 or 4 bits too, and the
+embedding lookup dequantizes the rows it is asked for from those blocks (`GGUFEmbedding`).
+Loaded so (`llmopt.model.loader`), a GGUF model never holds a float copy of a quantized tensor.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch
 
 from llmopt.kernels.cpu.gguf_blocks import GGML_TYPES, GGUFBlockWeight
 from llmopt.kernels.cpu.kquant_blocks import KQUANT_TYPES, KQuantWeight
+from llmopt.layers.quant.gguf_embedding import GGUFEmbedding
 from llmopt.layers.quant.gguf_linear import GGUFLinear
 from llmopt.model.gguf import gguf_tensors, unpermute_rope_rows
 
@@ -50,9 +52,12 @@ def _stack(blocks: list) -> GGUFBlockWeight | KQuantWeight | None:
     return None
 
 
-def repack_gguf_linears(model, path: str, activations: str = "int8") -> dict[str, int]:
+def repack_gguf_linears(model, path: str, activations: str = "int8", consumed: set[str] | None = None) -> dict[str, int]:
     """Swap the model's linears (and the output head) for GGUFLinear layers built from the GGUF
-    file's blocks, where their types allow; returns how many layers of each type were swapped
+    file's blocks, where their types allow (the model may still be on meta: a swapped layer's dense
+    weight never exists); the GGUF names of the tensors they took go into `consumed`, and the
+    embedding becomes a `GGUFEmbedding` on the same blocks where the head is tied to it. Returns
+    how many layers of each type were swapped
     (a k-quant stack of both types counts as "Q4_K+Q6_K" or "Q6_K+Q4_K", its types in row order)."""
     cfg = model.config
     tensors = {t.name: t for t in gguf_tensors(path)}
@@ -85,4 +90,9 @@ def repack_gguf_linears(model, path: str, activations: str = "int8") -> dict[str
         bias = getattr(old, "bias", None)
         model.set_submodule(module_name, GGUFLinear(weight, bias, activations))
         swapped[weight.type_name] = swapped.get(weight.type_name, 0) + 1
+        if consumed is not None:
+            consumed.update(name for name, _ in parts)
+    if head == "token_embd.weight" and isinstance(model.lm_head, GGUFLinear):
+        dtype = model.model.norm.weight.dtype
+        model.model.embed_tokens = GGUFEmbedding(model.lm_head.weight_blocks, dtype)
     return swapped

@@ -12,7 +12,6 @@ checkpoint's linear layers right after loading it.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import math
 import re
@@ -25,7 +24,7 @@ import torch
 import torch._dynamo  # noqa: F401
 from safetensors import safe_open
 
-from llmopt.layers.rotary import RotaryEmbedding
+from llmopt.model.build import meta_model, tie_and_rotate, trim_heap
 from llmopt.model.config import ModelConfig
 from llmopt.model.gguf import forget_gguf_readers, is_gguf, iter_gguf, load_gguf_tokenizer, tensor_elements
 from llmopt.model.llama import LlamaForCausalLM
@@ -133,12 +132,17 @@ def load_model(folder: str | Path, dtype: torch.dtype = torch.float32, device: s
     folder = Path(folder)
     cfg = ModelConfig.from_pretrained(folder)
     if load_format == "dummy":
-        return _dummy_model(cfg, folder, dtype, torch.device(device), quantization, seed)
-    keep_gguf_blocks = quantization == "gguf"   # llmopt.model.gguf_repack, after the dense load
-    if keep_gguf_blocks:
+        from llmopt.model.dummy import dummy_model
+
+        model = dummy_model(cfg, folder, dtype, torch.device(device), seed)
+        if quantization is not None:
+            quantize_linears(model, quantization)
+            trim_heap()
+        return model
+    if quantization == "gguf":
         if not is_gguf(folder):
             raise ValueError(f"quantization='gguf' keeps a GGUF file's quantized blocks; {folder} is not a .gguf file")
-        quantization = None
+        return _gguf_blocks_model(cfg, folder, dtype, device)
     scheme = None
     if cfg.quantization_config is not None or quantization is not None:
         scheme = quant_scheme(cfg, quantization, folder)
@@ -149,9 +153,7 @@ def load_model(folder: str | Path, dtype: torch.dtype = torch.float32, device: s
         files = safetensors_files(folder)
         weights, stored = iter_checkpoint(files), stored_elements(files)
     check_layer_count(cfg, stored, str(folder))
-    # Build on the meta device (no memory, no random init), then allocate for real.
-    with torch.device("meta"):
-        model = model_class(cfg)(cfg)
+    model = meta_model(cfg)  # shapes only, then allocated for real below
     if scheme is not None and scheme.serialized:
         # swap the quantized modules in while still on meta, after the dtype cast, so their
         # int32 / fp16 / fp8 tensors keep the dtypes the checkpoint stores
@@ -164,7 +166,7 @@ def load_model(folder: str | Path, dtype: torch.dtype = torch.float32, device: s
         model = model.to_empty(device=device).to(dtype)
     tie_and_rotate(model, cfg, device)
     load_weights(model, weights, source=str(folder))
-    if is_gguf(folder) and not keep_gguf_blocks:
+    if is_gguf(folder):
         # The parsed header (a 49K-token vocabulary as ~10^5 small arrays) and the file's map
         # (every page of it read once): ~250 MB for SmolLM2 that nothing needs once the weights are
         # in. A later load parses the header again (a few seconds).
@@ -172,63 +174,25 @@ def load_model(folder: str | Path, dtype: torch.dtype = torch.float32, device: s
     trim_heap()  # before quantizing, which holds both precisions of a layer at once
     if scheme is not None and not scheme.serialized:
         quantize_linears(model, scheme.method)
-    if keep_gguf_blocks:
-        from llmopt.model.gguf_repack import repack_gguf_linears
-
-        repack_gguf_linears(model, str(folder))
-        forget_gguf_readers()
     trim_heap()
     return model.eval()
 
 
-def tie_and_rotate(model, cfg: ModelConfig, device) -> None:
-    """What no checkpoint stores: the tied head (the embedding itself) and the RoPE table."""
-    if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
-    rope_dim = cfg.mla.qk_rope_head_dim if cfg.mla is not None else cfg.head_dim
-    model.model.rotary_emb = RotaryEmbedding(rope_dim, cfg.max_position_embeddings,
-                                             cfg.rope_theta, cfg.rope_scaling).to(device)
+def _gguf_blocks_model(cfg: ModelConfig, path: Path, dtype: torch.dtype, device) -> LlamaForCausalLM:
+    """A GGUF file's quantized tensors kept as its blocks (llmopt.model.gguf_repack), swapped in
+    while the model is still on meta, so that only the rest (norms, tensors of types no kernel
+    runs) is allocated and dequantized: a 1B Q8_0 file loads in its own 1.3 GB, not 5 GB of floats."""
+    from llmopt.model.gguf_repack import repack_gguf_linears
 
-
-def _dummy_model(cfg: ModelConfig, folder: Path, dtype: torch.dtype, device: torch.device,
-                 quantization: str | None, seed: int) -> LlamaForCausalLM:
-    """The decoder of `cfg`, allocated in `dtype` and filled with random weights."""
-    from llmopt.model.dummy import check_fits, fill_random
-    if cfg.quantization_config is not None:   # (quantizing on load, quantization='int8' / 'fp8', works)
-        raise ValueError(f"{folder}: load_format='dummy' makes dense random weights, but this config.json "
-                         f"names a quantized checkpoint ({cfg.quantization_config.get('quant_method')!r})")
-    with torch.device("meta"):
-        model = model_class(cfg)(cfg).to(dtype)   # cast on meta: allocated once, in dtype
-    check_fits(model, dtype, device, folder.name)
+    check_layer_count(cfg, tensor_elements(path), str(path))
+    model, kept = meta_model(cfg, dtype), set()
+    repack_gguf_linears(model, str(path), consumed=kept)
     model = model.to_empty(device=device)
     tie_and_rotate(model, cfg, device)
-    fill_random(model, seed=seed)
-    if quantization is not None:
-        quantize_linears(model, quantization)
+    load_weights(model, iter_gguf(path, skip=kept), source=str(path))
+    forget_gguf_readers()
     trim_heap()
     return model.eval()
-
-
-def trim_heap() -> None:
-    """Give the memory freed so far (dequantized temporaries, the header's objects, replaced
-    weights) back to the OS with glibc's malloc_trim (a few ms): glibc keeps freed blocks below
-    32 MB in its heap, where they still count against a container's limit (Binder's 2 GB).
-    Elsewhere (macOS, musl) this does nothing. No gc.collect() here: what loading frees goes by
-    reference counts, and a full collection in a notebook holding millions of objects took 0.3-0.7 s,
-    paid at every engine made (lesson 05 makes about forty)."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
-def model_class(cfg: ModelConfig):
-    """The decoder class for a config: DeepSeek-V3's (MLA + MoE), else the Llama family's."""
-    if cfg.mla is not None:
-        from llmopt.model.deepseek import DeepseekV3ForCausalLM
-
-        return DeepseekV3ForCausalLM
-    return LlamaForCausalLM
 
 
 def load_tokenizer(path: str | Path):

@@ -63,7 +63,7 @@ def dense_weight(weight: torch.Tensor) -> torch.Tensor:
 
 def why_not(model, kv_cache, device) -> str | None:
     """Why the compiled step cannot run this model on this pool (None when it can)."""
-    return why_not_layers(model.model.layers, model.model.embed_tokens.weight.dtype, kv_cache, device)
+    return why_not_layers(model.model.layers, model.model.norm.weight.dtype, kv_cache, device)
 
 
 def why_not_layers(layers, dtype, kv_cache, device) -> str | None:
@@ -160,7 +160,7 @@ class CompiledDecode(StepBackend):
     def __init__(self, model, kv_cache):
         self.model, self.kv_cache = model, kv_cache
         stack = model.model
-        self.dtype = stack.embed_tokens.weight.dtype
+        self.dtype = stack.norm.weight.dtype  # (the embedding may be GGUF blocks)
         self.layers = CompiledLayers(stack.layers, stack.rotary_emb, kv_cache, self.dtype)
         self.dense_rows = self.layers.dense_rows
         head = model.lm_head

@@ -17,7 +17,8 @@ import torch
 from llmopt import LLM, SamplingParams
 from llmopt.model import dummy
 from llmopt.model.config import ModelConfig
-from llmopt.model.loader import load_model, model_class
+from llmopt.model.build import model_class
+from llmopt.model.loader import load_model
 from llmopt.model.registry import SHAPES, list_models, model_path
 
 # the counts the models' cards publish (1.24B, 0.49B, 1.54B, 8.03B), to the parameter
@@ -184,6 +185,16 @@ def test_dummy_gguf_files_hold_random_weights_llmopt_reads(qtype, tmp_path):
         out = llm.generate({"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=4, ignore_eos=True),
                            use_tqdm=False)
         assert len(out[0].outputs[0].token_ids) == 4
+    # kept as blocks, the model holds no float copy of a quantized tensor: the embedding is looked
+    # up in the head's own blocks, and the parameters left are the norms'
+    from llmopt.layers.quant.gguf_embedding import GGUFEmbedding
+
+    embed, head = llm.model.model.embed_tokens, llm.model.lm_head
+    if qtype != "F16":
+        assert isinstance(embed, GGUFEmbedding) and embed.weight_blocks is head.weight_blocks
+        ids = torch.tensor([[5, 4095, 5]])
+        assert torch.equal(embed(ids)[0], head.weight_blocks.dequantize()[ids[0]])
+        assert sum(p.numel() * p.element_size() for p in llm.model.parameters()) < 0.01 * r.file_bytes
 
 
 def test_writing_a_shape_needs_dummy_and_a_llama(tmp_path):

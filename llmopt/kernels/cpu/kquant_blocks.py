@@ -115,6 +115,8 @@ class KQuantWeight:
         """The same super-blocks with the output rows reordered (llama.cpp's Q / K row order ->
         HF's): row i of the result is row index[i] of this weight."""
         index = torch.as_tensor(index, dtype=torch.long)
+        if len(self.parts) == 1:  # one type (an embedding's lookup, every step): rows of qs
+            return KQuantWeight(self.type_name, self.qs[index])
         names = [name for name, _ in self.parts]
         kind = torch.cat([torch.full((rows,), i) for i, (_, rows) in enumerate(self.parts)])
         local = torch.cat([torch.arange(rows) for _, rows in self.parts])
