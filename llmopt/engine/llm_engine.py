@@ -110,7 +110,7 @@ class LLMEngine:
         # how every step's forward runs, chosen once: eager torch, the compiled CPU step, CUDA graphs
         self.runner.backend = choose_step_backend(
             self.model, self.kv_cache, self.device, config.enforce_eager, self.executor is not None,
-            config.max_num_seqs, -(-self.max_model_len // self.block_size))
+            config.max_num_seqs, -(-self.max_model_len // self.block_size), config.max_num_batched_tokens)
         self.decode_path = self.runner.backend.path
         self.requests: dict[str, Sequence] = {}
         self.in_flight: deque[SchedulerOutput] = deque()  # pipelined steps submitted, oldest first

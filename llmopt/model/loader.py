@@ -185,6 +185,7 @@ def _gguf_blocks_model(cfg: ModelConfig, path: Path, dtype: torch.dtype, device)
     from llmopt.model.gguf_repack import repack_gguf_linears
 
     check_layer_count(cfg, tensor_elements(path), str(path))
+    forget_gguf_readers()  # the parsed header (a vocabulary's strings) goes before the blocks come in
     model, kept = meta_model(cfg, dtype), set()
     repack_gguf_linears(model, str(path), consumed=kept)
     model = model.to_empty(device=device)

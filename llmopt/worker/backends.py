@@ -23,11 +23,13 @@ from llmopt.worker.model_runner import StepBackend
 
 
 def choose_step_backend(model, kv_cache, device, enforce_eager: bool = False, parallel: bool = False,
-                        max_num_seqs: int = 256, max_blocks_per_seq: int = 0) -> StepBackend:
+                        max_num_seqs: int = 256, max_blocks_per_seq: int = 0,
+                        max_step_rows: int = 1 << 30) -> StepBackend:
     """The backend every step of this engine runs through; an eager one says why in its `path`.
     vLLM's enforce_eager: False runs the steps compiled (one C++ call on the CPU, CUDA graphs on a
     GPU, with buffers for max_num_seqs sequences of max_blocks_per_seq blocks) where they can run
-    this model and pool."""
+    this model and pool; max_step_rows, the most tokens a step holds, tells the compiled CPU step
+    whether it needs dense copies of quantized weights for rows beyond its block kernels."""
     if enforce_eager:  # the plain sampler too (llmopt/layers/sampler.py): nothing tuned in the step
         return StepBackend(model, kv_cache, "enforce_eager=True", sampler=plain_sampler)
     if parallel:
@@ -37,4 +39,4 @@ def choose_step_backend(model, kv_cache, device, enforce_eager: bool = False, pa
         return StepBackend(model, kv_cache, why) if why else GraphedDecode(model, kv_cache, max_num_seqs,
                                                                            max_blocks_per_seq)
     why = why_not(model, kv_cache, device)
-    return StepBackend(model, kv_cache, why) if why else CompiledDecode(model, kv_cache)
+    return StepBackend(model, kv_cache, why) if why else CompiledDecode(model, kv_cache, max_step_rows)

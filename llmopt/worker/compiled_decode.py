@@ -98,7 +98,7 @@ class CompiledLayers:
     place (before any final norm). The target's whole stack runs so (CompiledDecode below), and
     so does an EAGLE head's one layer (llmopt/spec/proposers.py)."""
 
-    def __init__(self, layers, rotary, kv_cache, dtype: torch.dtype):
+    def __init__(self, layers, rotary, kv_cache, dtype: torch.dtype, max_step_rows: int = UNLIMITED):
         self.kv_cache, self.rotary, self.dtype = kv_cache, rotary, dtype
         attn = layers[0].self_attn
         self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
@@ -124,8 +124,11 @@ class CompiledLayers:
                 return ext.Linear(kind=0, w=dense[id(lin)], qs=none, d=none, mn=none, bias=bias,
                                   int8=False, max_rows=UNLIMITED, dense_rows=self.dense_rows)
             b, max_rows = lin.weight_blocks, lin.kernel_max_rows(dtype)
-            # the dense copy is what batches above the kernel's limit multiply by, where there is one
-            w = lin.dense_weight(dtype) if max_rows < UNLIMITED else none
+            # the dense copy is what batches above the kernel's limit multiply by, made only where a
+            # step can bring that many rows (max_step_rows: the engine's token budget): a 1B model's
+            # float copy is 5 GB, and with a budget of 32 tokens its prompts run on the blocks
+            w = lin.dense_weight(dtype) if max_rows < max_step_rows else none
+            max_rows = max_rows if max_rows < max_step_rows else UNLIMITED
             qs, d, mn = b.kernel_blocks(lin.activations)
             # k-quant super-blocks name their row ranges (one, or several of both types stacked)
             kinds, rows = b.kernel_parts() if isinstance(b, KQuantWeight) else ([], [])
@@ -157,11 +160,11 @@ class CompiledDecode(StepBackend):
 
     path = "compiled"
 
-    def __init__(self, model, kv_cache):
+    def __init__(self, model, kv_cache, max_step_rows: int = UNLIMITED):
         self.model, self.kv_cache = model, kv_cache
         stack = model.model
         self.dtype = stack.norm.weight.dtype  # (the embedding may be GGUF blocks)
-        self.layers = CompiledLayers(stack.layers, stack.rotary_emb, kv_cache, self.dtype)
+        self.layers = CompiledLayers(stack.layers, stack.rotary_emb, kv_cache, self.dtype, max_step_rows)
         self.dense_rows = self.layers.dense_rows
         head = model.lm_head
         self.head = dense_weight(head.weight) if type(head) is nn.Linear and head.bias is None else None
