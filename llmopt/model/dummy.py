@@ -6,9 +6,10 @@ set by the bytes it reads and the arithmetic it does, and both depend on the siz
 config.json, never on the values of the weights. So the model is built from its config on
 the meta device (no memory), allocated once directly in the dtype it will run in (an 8B shape
 in float32 would need 32 GB before any cast), and filled with random numbers of a trained
-model's scale: normal with standard deviation 0.02 (the `initializer_range` of all four shipped
-configs) for the matrices and the embedding, ones for the norms' gains, zeros for biases. Activations then stay finite through
-every layer, as real ones do, so the kernels run the code paths they run for real weights.
+model's scale: normal with standard deviation 0.02 (the `initializer_range` of all four
+shipped configs) for the matrices and the embedding, ones for the norms' gains, zeros for
+biases. Activations then stay finite through every layer, as real ones do, so the kernels run
+the code paths they run for real weights.
 
 What such a model says is noise: perplexity, chat and text prompts are refused by the engine
 (`refuse_text`), so no number about quality can come from it.

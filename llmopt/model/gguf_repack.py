@@ -52,7 +52,8 @@ def _stack(blocks: list) -> GGUFBlockWeight | KQuantWeight | None:
     return None
 
 
-def repack_gguf_linears(model, path: str, activations: str = "int8", consumed: set[str] | None = None) -> dict[str, int]:
+def repack_gguf_linears(model, path: str, activations: str = "int8",
+                        consumed: set[str] | None = None) -> dict[str, int]:
     """Swap the model's linears (and the output head) for GGUFLinear layers built from the GGUF
     file's blocks, where their types allow (the model may still be on meta: a swapped layer's dense
     weight never exists); the GGUF names of the tensors they took go into `consumed`, and the

@@ -174,7 +174,8 @@ def test_dummy_gguf_files_hold_random_weights_llmopt_reads(qtype, tmp_path):
         w = dequantize(tensors[name].data, tensors[name].tensor_type)
         assert abs(w.std() - 0.02) < 2e-3 and abs(w.mean()) < 2e-3, name   # the dummy model's scale
         assert len(np.unique(w, axis=0)) == w.shape[0]                      # no row repeats another
-    assert np.all(dequantize(tensors["blk.0.attn_norm.weight"].data, tensors["blk.0.attn_norm.weight"].tensor_type) == 1)
+    norm = tensors["blk.0.attn_norm.weight"]
+    assert np.all(dequantize(norm.data, norm.tensor_type) == 1)
     # Llama 3's RoPE travels as llama.cpp's per-frequency factors, and comes back as the same table
     assert gguf_hf_config(r.path)["rope_scaling"]["rope_type"] == "freq_factors"
     from_gguf = load_model(r.path)
@@ -219,8 +220,8 @@ def test_cli_writes_a_shape_with_load_format_dummy(tmp_path):
     assert ok.returncode == 0 and "GGUF Q8_0" in ok.stdout and out.stat().st_size > 0, ok.stderr
     bad = subprocess.run(run + ["--qtype", "Q8_0", "--out", str(out)], capture_output=True, text=True)
     assert bad.returncode != 0 and "--load-format dummy" in bad.stderr       # no weights: says how
-    bad = subprocess.run(run[:4] + ["--method", "rtn", "--model", "tiny", "--load-format", "dummy", "--out", str(tmp_path / "q")],
-                         capture_output=True, text=True)
+    rtn = ["--method", "rtn", "--model", "tiny", "--load-format", "dummy", "--out", str(tmp_path / "q")]
+    bad = subprocess.run(run[:4] + rtn, capture_output=True, text=True)
     assert bad.returncode != 0 and "--load-format is for --method gguf" in bad.stderr
 
 
