@@ -14,7 +14,7 @@ import torch
 
 from llmopt.engine.block_manager import HOST_BYTES_PER_BLOCK
 from llmopt.model.loader import trim_heap
-from llmopt.model.memory import host_available_bytes
+from llmopt.model.memory import available_bytes, host_available_bytes
 
 
 def check_kv_pool_fits(num_blocks: int, bytes_per_block: int, device: torch.device) -> None:
@@ -23,7 +23,7 @@ def check_kv_pool_fits(num_blocks: int, bytes_per_block: int, device: torch.devi
     host = num_blocks * HOST_BYTES_PER_BLOCK
     pool = num_blocks * bytes_per_block
     if device.type == "cuda":
-        checks = [(pool, torch.cuda.mem_get_info(device)[0], f"free on {device}"), (host, host_available_bytes(), "RAM")]
+        checks = [(pool, available_bytes(device), f"free on {device}"), (host, host_available_bytes(), "RAM")]
     else:
         checks = [(pool + host, host_available_bytes(), "RAM")]
     for need, available, where in checks:

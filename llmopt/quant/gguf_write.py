@@ -187,7 +187,7 @@ def tensor_plan(cfg, qtype: str) -> list[tuple[str, str, tuple[int, ...], str]]:
     shapes = {"attn_norm.weight": (h,), "attn_q.weight": (q, h), "attn_k.weight": (kv, h),
               "attn_v.weight": (kv, h), "attn_output.weight": (h, q), "ffn_norm.weight": (h,),
               "ffn_gate.weight": (i, h), "ffn_up.weight": (i, h), "ffn_down.weight": (h, i)}
-    hf = {g: n for g, n in GLOBAL_TENSORS.items()}
+    hf = dict(GLOBAL_TENSORS)
     names = [("token_embd.weight", (cfg.vocab_size, h))]
     for layer in range(cfg.num_hidden_layers):
         names += [(f"blk.{layer}.{g}", shapes[g]) for g in LAYER_TENSORS]

@@ -55,12 +55,7 @@ class GGUFBlockWeight:
     @classmethod
     def from_gguf_bytes(cls, data: np.ndarray, type_name: str, row_len: int) -> "GGUFBlockWeight":
         """A tensor's bytes as the file stores them, [rows, bytes per row] -> its blocks."""
-        if type_name not in GGML_TYPES:
-            raise ValueError(f"GGUF block type must be one of {tuple(GGML_TYPES)}, got {type_name!r}")
-        if row_len % BLOCK:
-            raise ValueError(f"a {type_name} row holds whole blocks of 32; {row_len} is not a multiple")
-        rows = data.shape[0]
-        blocks = np.ascontiguousarray(data, dtype=np.uint8).reshape(rows, row_len // BLOCK, -1)
+        blocks = file_blocks(data, type_name, row_len, GGML_TYPES, BLOCK)
         d = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16)[..., 0].copy())
         m = None
         if type_name == "Q4_1":
@@ -125,11 +120,7 @@ class GGUFBlockWeight:
 
     def matmul(self, x: torch.Tensor, activations: str = "int8") -> torch.Tensor:
         """x [M, K] (float32 or bfloat16, CPU) -> x @ W^T [M, N] in x's dtype, by the C++ kernel."""
-        if activations not in ACTIVATIONS:
-            raise ValueError(f"activations must be one of {ACTIVATIONS}, got {activations!r}")
-        ext = cpu.load()
-        if ext is None:
-            raise RuntimeError("the C++ CPU kernels are not available here (llmopt.kernels.cpu.available())")
+        ext = kernels_for(activations)
         return ext.gguf_matmul(x, *self.kernel_blocks(activations), self.ggml_type, activations == "int8")
 
     def kernel_blocks(self, activations: str = "int8") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -154,6 +145,28 @@ class GGUFBlockWeight:
         if self.type_name == "Q4_1":
             y = y + (self.m.float()[None] * xs.float()[:, None]).double().sum(-1)
         return y
+
+
+def kernels_for(activations: str):
+    """The built C++ kernels, once `activations` names an arithmetic they run (ValueError) and
+    they are available here (RuntimeError)."""
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"activations must be one of {ACTIVATIONS}, got {activations!r}")
+    ext = cpu.load()
+    if ext is None:
+        raise RuntimeError("the C++ CPU kernels are not available here (llmopt.kernels.cpu.available())")
+    return ext
+
+
+def file_blocks(data: np.ndarray, type_name: str, row_len: int, types, block: int) -> np.ndarray:
+    """A GGUF tensor's bytes [rows, bytes per row] as [rows, row_len / block, bytes per block]
+    (a view of the file's map where it can be), once `type_name` is one of `types` and a row
+    holds whole blocks of `block` weights."""
+    if type_name not in types:
+        raise ValueError(f"GGUF block type must be one of {tuple(types)}, got {type_name!r}")
+    if row_len % block:
+        raise ValueError(f"a {type_name} row holds whole blocks of {block}; {row_len} is not a multiple")
+    return np.ascontiguousarray(data, dtype=np.uint8).reshape(data.shape[0], row_len // block, -1)
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

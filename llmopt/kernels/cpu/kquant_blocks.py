@@ -32,8 +32,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from llmopt.kernels import cpu
-from llmopt.kernels.cpu.gguf_blocks import ACTIVATIONS
+from llmopt.kernels.cpu.gguf_blocks import file_blocks, kernels_for
 
 QK_K = 256
 KQUANT_TYPES = {"Q4_K": 12, "Q6_K": 14}        # llama.cpp's ggml_type numbers
@@ -85,11 +84,7 @@ class KQuantWeight:
     @classmethod
     def from_gguf_bytes(cls, data: np.ndarray, type_name: str, row_len: int) -> "KQuantWeight":
         """A tensor's bytes as the file stores them, [rows, bytes per row] -> its super-blocks."""
-        if type_name not in KQUANT_TYPES:
-            raise ValueError(f"k-quant type must be one of {tuple(KQUANT_TYPES)}, got {type_name!r}")
-        if row_len % QK_K:
-            raise ValueError(f"a {type_name} row holds whole super-blocks of 256; {row_len} is not a multiple")
-        blocks = np.ascontiguousarray(data, dtype=np.uint8).reshape(data.shape[0], row_len // QK_K, -1)
+        blocks = file_blocks(data, type_name, row_len, KQUANT_TYPES, QK_K)
         return cls(type_name, torch.from_numpy(blocks.copy()))
 
     def blocks(self) -> list[tuple[str, torch.Tensor]]:
@@ -154,11 +149,7 @@ class KQuantWeight:
     # -- running ---------------------------------------------------------------------------------
     def matmul(self, x: torch.Tensor, activations: str = "int8") -> torch.Tensor:
         """x [M, K] (float32 or bfloat16, CPU) -> x @ W^T [M, N] in x's dtype, by the C++ kernel."""
-        if activations not in ACTIVATIONS:
-            raise ValueError(f"activations must be one of {ACTIVATIONS}, got {activations!r}")
-        ext = cpu.load()
-        if ext is None:
-            raise RuntimeError("the C++ CPU kernels are not available here (llmopt.kernels.cpu.available())")
+        ext = kernels_for(activations)
         kinds, rows = self.kernel_parts()
         return ext.kquant_matmul(x, self.qs, kinds, rows, activations == "int8")
 
