@@ -253,10 +253,12 @@ def test_int8_activations_equal_their_emulation_and_approach_the_dense_product(k
 @needs_kernels
 @pytest.mark.parametrize("kind", GGUF_TYPES)
 @pytest.mark.parametrize("rows", [1, 6])
-@pytest.mark.parametrize("cols", [96, 544])
-def test_int8_activations_with_an_odd_number_of_blocks_per_row(kind, rows, cols):
-    """AVX512_VNNI takes blocks two at a time (gguf_vnni.h); a row of 3 or 17 blocks takes the
-    AVX2 loop instead, with the same arithmetic."""
+@pytest.mark.parametrize("cols", [64, 96, 448, 544])
+def test_int8_activations_with_every_count_of_blocks_per_row(kind, rows, cols):
+    """AVX512_VNNI and the AVX2 rows take blocks two at a time (gguf_vnni.h, gguf_rows_avx2.h), the
+    AVX2 rows their scales eight blocks at a time: 2 blocks (one pair, no group of eight), 14 (one
+    group and three pairs) take those; a row of 3 or 17 blocks takes the one-block loop instead,
+    with the same arithmetic."""
     w, _ = gguf_weight(kind, rows=70, cols=cols, seed=cols)
     x = activations(rows, cols=cols, seed=rows)
     emulated = w.emulate_int8(x)

@@ -14,6 +14,9 @@
 // other choice, the weights dequantized in registers times fp32 x: no rounding of x at all,
 // about twice the instructions.
 //
+// Without AVX512_VNNI, rows of an even number of blocks take gguf_rows_avx2.h's kernels: Q4 blocks
+// two a load, eight blocks' scales at once, the weight bytes prefetched ahead.
+//
 // Threads split the output rows (at::parallel_for). Up to 4 rows of x share one decoding
 // of a weight block, and a weight row (a few hundred bytes) stays in L1 while further
 // tiles of x run over it; past a few dozen rows a dense fp32 matmul wins on AVX2, not against
@@ -28,13 +31,15 @@
 #include <vector>
 
 #include "common.h"
+#include "gguf_rows_avx2.h"
 #include "gguf_rows.h"
 #include "gguf_vnni.h"
 #include "kquant_rows.h"
 
 namespace llmopt {
 
-// Decode takes 4 weight rows at a time only while the weight stays in cache, where it is faster
+// The one-block loop (rows of an odd number of blocks without AVX512_VNNI; every row without AVX2)
+// takes 4 weight rows at a time at decode only while the weight stays in cache, where it is faster
 // (SmolLM2's 3072 x 576 Q8_0 at 1 row of x). A weight streamed from memory runs slower that way
 // (the 49152 x 576 head), its four interleaved streams defeating the prefetcher, so from this size
 // on rows go one at a time. (measured: benchmarks/README.md, "Measurements behind the code's choices")
@@ -118,6 +123,41 @@ static void vnni_all(const uint8_t* wq, const uint16_t* wd, const uint16_t* wm, 
 }
 #endif
 
+#if defined(LLMOPT_AVX2) && !defined(LLMOPT_VNNI512)
+// Weight rows n0..n1 against all M rows of x in passes of 4, Q4 blocks two at a time (gguf_rows_avx2.h);
+// every size of weight one row at a time, so that each is one sequential stream for the prefetchers.
+template <int64_t TYPE>
+static void pair_rows(const uint8_t* wq, const uint16_t* wd, const uint16_t* wm, int64_t nb, int64_t N, int64_t M,
+                      const QuantizedRow* xs, int64_t n0, int64_t n1, float* y) {
+  constexpr int64_t BYTES = TYPE == Q8_0 ? 32 : 16;
+  float out[4];
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* w = wq + n * nb * BYTES;
+    const uint16_t* dn = wd + n * nb;
+    const uint16_t* mnn = wm ? wm + n * nb : nullptr;
+    for (int64_t m0 = 0; m0 < M; m0 += 4) {
+      const int mt = int(std::min<int64_t>(4, M - m0));
+      if constexpr (TYPE == Q8_0) {
+        switch (mt) {
+          case 1: avx2rows::dot_row_q8<1>(w, dn, nb, xs + m0, out); break;
+          case 2: avx2rows::dot_row_q8<2>(w, dn, nb, xs + m0, out); break;
+          case 3: avx2rows::dot_row_q8<3>(w, dn, nb, xs + m0, out); break;
+          default: avx2rows::dot_row_q8<4>(w, dn, nb, xs + m0, out);
+        }
+      } else {
+        switch (mt) {
+          case 1: avx2rows::dot_row<TYPE, 1>(w, dn, mnn, nb, xs + m0, out); break;
+          case 2: avx2rows::dot_row<TYPE, 2>(w, dn, mnn, nb, xs + m0, out); break;
+          case 3: avx2rows::dot_row<TYPE, 3>(w, dn, mnn, nb, xs + m0, out); break;
+          default: avx2rows::dot_row<TYPE, 4>(w, dn, mnn, nb, xs + m0, out);
+        }
+      }
+      for (int i = 0; i < mt; ++i) y[(m0 + i) * N + n] = out[i];
+    }
+  }
+}
+#endif
+
 static void check_weight(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
                          const at::Tensor& mn, int64_t type) {
   TORCH_CHECK_VALUE(type == Q8_0 || type == Q4_0 || type == Q4_1,
@@ -149,8 +189,16 @@ static void run(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
   // hundreds of rows split among the threads here too; one row runs on the calling thread).
   std::vector<int8_t> xq, xsplit;
   std::vector<float> xd, xsum;
-  std::vector<int32_t> xc, xsplit_c;
+  std::vector<int32_t> xc, xsplit_c, xpairs_c;
   const int64_t steps = (nb + 3) / 4;
+#if defined(LLMOPT_AVX2) && !defined(LLMOPT_VNNI512)
+  // Q4 blocks two a load where K allows (gguf_rows_avx2.h): x laid out to match
+  const bool by_pairs = int8_activations && nb % 2 == 0;
+#else
+  const bool by_pairs = false;
+#endif
+  std::vector<int8_t> xpairs(by_pairs && TYPE != Q8_0 ? M * K : 0);
+  if (by_pairs && TYPE == Q4_0) xpairs_c.resize(M * nb * 4);
   if (int8_activations) {
     xq.resize(M * K);
     xd.resize(M * nb);
@@ -164,6 +212,9 @@ static void run(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
       for (int64_t m = m0; m < m1; ++m) {
         int8_t* q = xq.data() + m * K;
         quantize_row_q8(xp + m * K, K, q, xd.data() + m * nb, xsum.data() + m * nb);
+#if defined(LLMOPT_AVX2) && !defined(LLMOPT_VNNI512)
+        if (!xpairs.empty()) avx2rows::make_pairs(q, nb, xpairs.data() + m * K, xpairs_c.empty() ? nullptr : xpairs_c.data() + m * nb * 4);
+#endif
 #ifdef LLMOPT_VNNI512
         constexpr int32_t bias = vnni::code_bias(TYPE);
         if constexpr (TYPE == Q8_0) {
@@ -191,10 +242,15 @@ static void run(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
   for (int64_t m = 0; int8_activations && m < M; ++m)
     xrows.push_back({xq.data() + m * K, xd.data() + m * nb, xsum.data() + m * nb, xc.empty() ? nullptr : xc.data() + m * K / 4,
                      xsplit.empty() ? nullptr : xsplit.data() + m * steps * 128,
-                     xsplit_c.empty() ? nullptr : xsplit_c.data() + m * steps * 16});
+                     xsplit_c.empty() ? nullptr : xsplit_c.data() + m * steps * 16,
+                     xpairs.empty() ? nullptr : xpairs.data() + m * K,
+                     xpairs_c.empty() ? nullptr : xpairs_c.data() + m * nb * 4});
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
 #ifdef LLMOPT_VNNI512
     if (int8_activations && nb % 2 == 0) return vnni_all<TYPE>(wq, wd, wm, nb, N, M, xrows.data(), n0, n1, y);
+#endif
+#if defined(LLMOPT_AVX2) && !defined(LLMOPT_VNNI512)
+    if (by_pairs) return pair_rows<TYPE>(wq, wd, wm, nb, N, M, xrows.data(), n0, n1, y);
 #endif
     int64_t n = n0;
     if (int8_activations && M == 1 && N * nb * BYTES <= MULTI_ROW_MAX_BYTES) {

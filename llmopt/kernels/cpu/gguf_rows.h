@@ -22,6 +22,8 @@ struct QuantizedRow {
   const int32_t* c = nullptr;  // VNNI Q8_0 (signed codes): -bias * (sum of each 4 values of q)
   const int8_t* split = nullptr;     // VNNI Q4: q per four blocks, their values 0..15 then 16..31
   const int32_t* split_c = nullptr;  // VNNI Q4_0: -8 * (sum of the 8 values of split each lane meets)
+  const int8_t* pairs = nullptr;     // AVX2 Q4: q laid out per two blocks (gguf_rows_avx2.h)
+  const int32_t* pairs_c = nullptr;  // AVX2 Q4_0: -8 * (sum of the values of pairs each lane meets)
 };
 
 #ifdef LLMOPT_AVX2
