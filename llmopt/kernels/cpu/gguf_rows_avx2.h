@@ -26,11 +26,6 @@
 namespace llmopt {
 namespace avx2rows {
 
-// How far ahead of its loads a row asks for weight bytes: at one row of x the hardware
-// prefetchers alone left the Q4_0 and Q8_0 loops at 17-24 GB/s on a 2-core AMD EPYC whose STREAM
-// triad reads 31; 2 KB ahead (about 130 ns of one core's stream, a DRAM latency) read 25-31.
-constexpr int64_t PREFETCH_BYTES = 2048;
-
 #ifdef LLMOPT_AVX2
 
 // x's quantized row as the pairs of blocks meet it: lo / hi [K / 64][32] int8, and for Q4_0

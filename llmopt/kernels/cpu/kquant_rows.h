@@ -146,6 +146,8 @@ static void kquant_row_int8(const uint8_t* w, int64_t nsb, const Q8KRow* xs, flo
   for (int m = 0; m < MT; ++m) { acc[m] = _mm256_setzero_ps(); acc_min[m] = _mm_setzero_ps(); }
   for (int64_t s = 0; s < nsb; ++s) {
     const uint8_t* b = w + s * BYTES;
+    for (int64_t line = 0; line < BYTES; line += 64)  // common.h: PREFETCH_BYTES
+      _mm_prefetch(reinterpret_cast<const char*>(b + PREFETCH_BYTES + line), _MM_HINT_T0);
     __m256i sumi[MT];
     float d;
     if constexpr (TYPE == Q4_K) {
