@@ -9,6 +9,12 @@ bytes a call must read (the weights; the keys and values) over its time; the hea
 the machine's read bandwidth (a sum over 1 GiB of initialized memory) to compare with.
 
     python benchmarks/cpu_kernels.py [--threads 2] [--repeats 50]
+    python benchmarks/cpu_kernels.py --sections streamed --out benchmarks/results/cpu_kernels_streamed
+
+`--sections streamed`: the GGUF row kernels where a decode step meets them beyond the cache: four
+layers of the Llama-3.2-1B shape (random blocks, 137-258 MB, several times any last-level cache),
+called in turn as a step calls them, at 1 and 8 rows of x; GB/s against the DRAM bandwidth measured
+as STREAM does (llmopt.bench.roofline) at the same thread count.
 """
 
 from __future__ import annotations
@@ -40,6 +46,8 @@ SHAPES = [("qkv / o 576x576", 576, 576), ("gate_up 3072x576", 3072, 576), ("down
           ("head 49152x576", 49152, 576)]
 ROWS = (1, 4, 16, 64)
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
+# Llama-3.2-1B's four matmuls of a layer (qkv, o, gate_up, down), four layers of them
+STREAMED = [(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192)] * 4
 
 
 def timed(fn, repeats: int) -> float:
@@ -100,6 +108,52 @@ def crossover_rows(repeats: int) -> list[dict]:
             row[f"{name}_Q8_0_us"] = timed(lambda: q8.matmul(x), max(5, repeats // 5)) * 1e6
         rows.append(row)
     return rows
+
+
+def streamed_rows(repeats: int) -> list[dict]:
+    """Each GGUF type's row kernel over STREAMED's weights in turn (no weight is met twice before
+    the others have passed through the cache), at 1 and 8 rows of x: the best of `repeats` passes."""
+    out = []
+    gen = torch.Generator().manual_seed(0)
+    for kind in ("Q8_0", "Q4_0", "Q4_1"):
+        per_block = 32 if kind == "Q8_0" else 16
+        scales = lambda n, k: (torch.rand(n, k // 32, generator=gen) * 0.01).half()  # noqa: E731
+        weights = [GGUFBlockWeight(kind, torch.randint(0, 256, (n, k // 32, per_block), dtype=torch.uint8,
+                                                       generator=gen),
+                                   scales(n, k), -scales(n, k) if kind == "Q4_1" else None)
+                   for n, k in STREAMED]
+        nbytes = sum(w.nbytes() for w in weights)
+        for rows in (1, 8):
+            xs = {k: torch.randn(rows, k, generator=gen) for k in {k for _, k in STREAMED}}
+            step = lambda: [w.matmul(xs[w.in_features]) for w in weights]  # noqa: E731
+            step()
+            times = []
+            for _ in range(max(repeats // 2, 5)):
+                t = time.perf_counter()
+                step()
+                times.append(time.perf_counter() - t)
+            best = min(times)
+            out.append({"type": kind, "rows": rows, "MB": nbytes / 1e6, "ms": best * 1e3,
+                        "median_ms": float(np.median(times)) * 1e3, "GBps": nbytes / best / 1e9})
+    return out
+
+
+def streamed_markdown(info: dict, rows: list[dict]) -> str:
+    bw = info["dram"]
+    lines = ["# GGUF row kernels beyond the cache: four Llama-3.2-1B layers (llmopt/kernels/cpu)", "",
+             f"{info['cpu']}, {info['threads']} threads, vector ISA {info['simd']}, last-level cache "
+             f"{info['llc_mib']:.0f} MiB, torch {info['torch']}; load average {info['load'][0]:.2f} before, "
+             f"{info['load'][1]:.2f} after. DRAM bandwidth as STREAM measures it ({bw['threads']} threads, "
+             f"{bw['array_mb']} MB arrays, best kernel): **{bw['best']:.1f} GB/s**. Each pass calls the 16 "
+             "weights in turn (qkv 3072x2048, o 2048x2048, gate_up 16384x2048, down 2048x8192, four times), "
+             "best of the passes (and their median); GB/s = the blocks' bytes / the best pass's time.", "",
+             "| type | rows of x | MB | ms, best (median) | GB/s (share of DRAM) | time / 1 row's |",
+             "|---|---|---|---|---|---|"]
+    one = {r["type"]: r["ms"] for r in rows if r["rows"] == 1}
+    for r in rows:
+        lines.append(f"| {r['type']} | {r['rows']} | {r['MB']:.0f} | {r['ms']:.1f} ({r['median_ms']:.1f}) | "
+                     f"{r['GBps']:.1f} ({r['GBps'] / bw['best']:.0%}) | {r['ms'] / one[r['type']]:.2f}x |")
+    return "\n".join(lines) + "\n"
 
 
 def attention_case(batch: int, context: int, dtype=torch.bfloat16):
@@ -176,6 +230,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=50)
     p.add_argument("--out", default=str(RESULTS / "cpu_kernels"), help="writes OUT.md and OUT.json")
+    p.add_argument("--sections", choices=["cache", "streamed"], default="cache",
+                   help="cache: SmolLM2's shapes and attention (the default); streamed: 1B layers from DRAM")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     load_before = os.getloadavg()
@@ -188,6 +244,18 @@ def main() -> None:
                  platform.processor())
     info = {"cpu": model, "threads": args.threads, "simd": cpu.load().simd(), "torch": torch.__version__,
             "read_GBps": read_bandwidth(), "load_s": load_s, "build_s": float(os.environ.get("BUILD_S", "nan"))}
+    if args.sections == "streamed":
+        from llmopt.bench.common import llc_bytes
+        from llmopt.bench.roofline import measure_bandwidth
+
+        info.update(dram=measure_bandwidth((args.threads,))[0], llc_mib=(llc_bytes() or 0) / 2**20)
+        rows = streamed_rows(args.repeats)
+        info["load"] = (load_before[0], os.getloadavg()[0])
+        text = streamed_markdown(info, rows)
+        print(text)
+        Path(args.out + ".md").write_text(text)
+        Path(args.out + ".json").write_text(json.dumps({"info": info, "streamed": rows}, indent=1))
+        return
     mm, cross, att = matmul_rows(args.repeats), crossover_rows(args.repeats), attention_rows(args.repeats)
     info["load"] = (load_before[0], os.getloadavg()[0])
     text = markdown(info, mm, cross, att)
