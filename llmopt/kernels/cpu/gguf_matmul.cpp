@@ -124,8 +124,8 @@ static void vnni_all(const uint8_t* wq, const uint16_t* wd, const uint16_t* wm, 
 #endif
 
 #if defined(LLMOPT_AVX2) && !defined(LLMOPT_VNNI512)
-// Weight rows n0..n1 against all M rows of x in passes of 4, Q4 blocks two at a time (gguf_rows_avx2.h);
-// every size of weight one row at a time, so that each is one sequential stream for the prefetchers.
+// Weight rows n0..n1 against all M rows of x in passes of 4 (gguf_rows_avx2.h: Q4 blocks two at a
+// time, Q8_0 one); every size of weight one row at a time, one sequential stream for the prefetchers.
 template <int64_t TYPE>
 static void pair_rows(const uint8_t* wq, const uint16_t* wd, const uint16_t* wm, int64_t nb, int64_t N, int64_t M,
                       const QuantizedRow* xs, int64_t n0, int64_t n1, float* y) {
@@ -192,7 +192,7 @@ static void run(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
   std::vector<int32_t> xc, xsplit_c, xpairs_c;
   const int64_t steps = (nb + 3) / 4;
 #if defined(LLMOPT_AVX2) && !defined(LLMOPT_VNNI512)
-  // Q4 blocks two a load where K allows (gguf_rows_avx2.h): x laid out to match
+  // gguf_rows_avx2.h's rows where K / 32 is even; for Q4 blocks two a load, x laid out to match
   const bool by_pairs = int8_activations && nb % 2 == 0;
 #else
   const bool by_pairs = false;
@@ -213,7 +213,8 @@ static void run(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
         int8_t* q = xq.data() + m * K;
         quantize_row_q8(xp + m * K, K, q, xd.data() + m * nb, xsum.data() + m * nb);
 #if defined(LLMOPT_AVX2) && !defined(LLMOPT_VNNI512)
-        if (!xpairs.empty()) avx2rows::make_pairs(q, nb, xpairs.data() + m * K, xpairs_c.empty() ? nullptr : xpairs_c.data() + m * nb * 4);
+        if (!xpairs.empty())
+          avx2rows::make_pairs(q, nb, xpairs.data() + m * K, xpairs_c.empty() ? nullptr : xpairs_c.data() + m * nb * 4);
 #endif
 #ifdef LLMOPT_VNNI512
         constexpr int32_t bias = vnni::code_bias(TYPE);

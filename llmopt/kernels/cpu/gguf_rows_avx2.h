@@ -13,7 +13,7 @@
 //   dot(q - 8, x) = dot(q, x) - 8 sum(x), the second term laid out per int32 lane once per call (c);
 // - lanes 0..3 of a pair's sums belong to block b, 4..7 to b + 1, so eight blocks' scales
 //   d_w * d_x come from one fp16 conversion and one multiply, and a permute places each pair's.
-// - each row asks for its bytes PREFETCH_BYTES ahead of its loads (below).
+// - each row asks for its bytes PREFETCH_BYTES ahead of its loads (common.h says why).
 // Q8_0 (dot_row_q8) takes the same scales and prefetch. The integer block sums are the same exact
 // integers as the one-block loop's; only the order of the float32 additions differs.
 #pragma once
