@@ -249,19 +249,16 @@ def main() -> None:
         from llmopt.bench.roofline import measure_bandwidth
 
         info.update(dram=measure_bandwidth((args.threads,))[0], llc_mib=(llc_bytes() or 0) / 2**20)
-        rows = streamed_rows(args.repeats)
-        info["load"] = (load_before[0], os.getloadavg()[0])
-        text = streamed_markdown(info, rows)
-        print(text)
-        Path(args.out + ".md").write_text(text)
-        Path(args.out + ".json").write_text(json.dumps({"info": info, "streamed": rows}, indent=1))
-        return
-    mm, cross, att = matmul_rows(args.repeats), crossover_rows(args.repeats), attention_rows(args.repeats)
+        results = {"streamed": streamed_rows(args.repeats)}
+    else:
+        results = {"matmul": matmul_rows(args.repeats), "crossover": crossover_rows(args.repeats),
+                   "attention": attention_rows(args.repeats)}
     info["load"] = (load_before[0], os.getloadavg()[0])
-    text = markdown(info, mm, cross, att)
+    text = (streamed_markdown(info, results["streamed"]) if args.sections == "streamed" else
+            markdown(info, results["matmul"], results["crossover"], results["attention"]))
     print(text)
     Path(args.out + ".md").write_text(text)
-    Path(args.out + ".json").write_text(json.dumps({"info": info, "matmul": mm, "crossover": cross, "attention": att}, indent=1))
+    Path(args.out + ".json").write_text(json.dumps({"info": info, **results}, indent=1))
 
 
 if __name__ == "__main__":

@@ -127,7 +127,7 @@ static void vnni_all(const uint8_t* wq, const uint16_t* wd, const uint16_t* wm, 
 // Weight rows n0..n1 against all M rows of x in passes of 4 (gguf_rows_avx2.h: Q4 blocks two at a
 // time, Q8_0 one); every size of weight one row at a time, one sequential stream for the prefetchers.
 template <int64_t TYPE>
-static void pair_rows(const uint8_t* wq, const uint16_t* wd, const uint16_t* wm, int64_t nb, int64_t N, int64_t M,
+static void avx2_all(const uint8_t* wq, const uint16_t* wd, const uint16_t* wm, int64_t nb, int64_t N, int64_t M,
                       const QuantizedRow* xs, int64_t n0, int64_t n1, float* y) {
   constexpr int64_t BYTES = TYPE == Q8_0 ? 32 : 16;
   float out[4];
@@ -137,20 +137,11 @@ static void pair_rows(const uint8_t* wq, const uint16_t* wd, const uint16_t* wm,
     const uint16_t* mnn = wm ? wm + n * nb : nullptr;
     for (int64_t m0 = 0; m0 < M; m0 += 4) {
       const int mt = int(std::min<int64_t>(4, M - m0));
-      if constexpr (TYPE == Q8_0) {
-        switch (mt) {
-          case 1: avx2rows::dot_row_q8<1>(w, dn, nb, xs + m0, out); break;
-          case 2: avx2rows::dot_row_q8<2>(w, dn, nb, xs + m0, out); break;
-          case 3: avx2rows::dot_row_q8<3>(w, dn, nb, xs + m0, out); break;
-          default: avx2rows::dot_row_q8<4>(w, dn, nb, xs + m0, out);
-        }
-      } else {
-        switch (mt) {
-          case 1: avx2rows::dot_row<TYPE, 1>(w, dn, mnn, nb, xs + m0, out); break;
-          case 2: avx2rows::dot_row<TYPE, 2>(w, dn, mnn, nb, xs + m0, out); break;
-          case 3: avx2rows::dot_row<TYPE, 3>(w, dn, mnn, nb, xs + m0, out); break;
-          default: avx2rows::dot_row<TYPE, 4>(w, dn, mnn, nb, xs + m0, out);
-        }
+      switch (mt) {
+        case 1: avx2rows::dot_row<TYPE, 1>(w, dn, mnn, nb, xs + m0, out); break;
+        case 2: avx2rows::dot_row<TYPE, 2>(w, dn, mnn, nb, xs + m0, out); break;
+        case 3: avx2rows::dot_row<TYPE, 3>(w, dn, mnn, nb, xs + m0, out); break;
+        default: avx2rows::dot_row<TYPE, 4>(w, dn, mnn, nb, xs + m0, out);
       }
       for (int i = 0; i < mt; ++i) y[(m0 + i) * N + n] = out[i];
     }
@@ -193,12 +184,12 @@ static void run(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
   const int64_t steps = (nb + 3) / 4;
 #if defined(LLMOPT_AVX2) && !defined(LLMOPT_VNNI512)
   // gguf_rows_avx2.h's rows where K / 32 is even; for Q4 blocks two a load, x laid out to match
-  const bool by_pairs = int8_activations && nb % 2 == 0;
+  const bool by_avx2_rows = int8_activations && nb % 2 == 0;
 #else
-  const bool by_pairs = false;
+  const bool by_avx2_rows = false;
 #endif
-  std::vector<int8_t> xpairs(by_pairs && TYPE != Q8_0 ? M * K : 0);
-  if (by_pairs && TYPE == Q4_0) xpairs_c.resize(M * nb * 4);
+  std::vector<int8_t> xpairs(by_avx2_rows && TYPE != Q8_0 ? M * K : 0);
+  if (by_avx2_rows && TYPE == Q4_0) xpairs_c.resize(M * nb * 4);
   if (int8_activations) {
     xq.resize(M * K);
     xd.resize(M * nb);
@@ -251,7 +242,7 @@ static void run(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
     if (int8_activations && nb % 2 == 0) return vnni_all<TYPE>(wq, wd, wm, nb, N, M, xrows.data(), n0, n1, y);
 #endif
 #if defined(LLMOPT_AVX2) && !defined(LLMOPT_VNNI512)
-    if (by_pairs) return pair_rows<TYPE>(wq, wd, wm, nb, N, M, xrows.data(), n0, n1, y);
+    if (by_avx2_rows) return avx2_all<TYPE>(wq, wd, wm, nb, N, M, xrows.data(), n0, n1, y);
 #endif
     int64_t n = n0;
     if (int8_activations && M == 1 && N * nb * BYTES <= MULTI_ROW_MAX_BYTES) {
