@@ -131,8 +131,10 @@ def window_nll(llm, text: str | None = None, max_tokens: int | None = None, seq_
 
 
 @torch.inference_mode()
-def _score_windows(engine, windows: list[list[int]], chunk_size: int) -> list[tuple[float, int]]:
-    """(summed NLL, count) of each window's tokens 1..end, run through the engine's model and cache."""
+def _score_windows(engine, windows: list[list[int]], chunk_size: int, per_token: bool = False) -> list:
+    """(summed NLL, count) of each window's tokens 1..end, run through the engine's model and cache;
+    with per_token, each window's [tokens - 1, 2] float tensor instead: (log-probability of the
+    token that follows, the best log-probability at that position)."""
     from llmopt.model.forward import run_model
     from llmopt.sampling_params import SamplingParams
     from llmopt.sequence import Sequence
@@ -142,6 +144,7 @@ def _score_windows(engine, windows: list[list[int]], chunk_size: int) -> list[tu
             for i, w in enumerate(windows)]
     targets = [torch.tensor(w[1:], device=engine.device) for w in windows]
     totals = [0.0] * len(windows)
+    kept: list[list[torch.Tensor]] = [[] for _ in windows]
     try:
         for seq in seqs:
             if not bm.allocate(seq.request_id, len(seq)):
@@ -155,6 +158,10 @@ def _score_windows(engine, windows: list[list[int]], chunk_size: int) -> list[tu
             logits = engine.model.compute_logits(hidden)
             gold = torch.cat([targets[i][start:start + n] for i, (_, n) in zip(live, scheduled)])
             nll = torch.nn.functional.cross_entropy(logits, gold, reduction="none")
+            if per_token:  # the best log-probability is the logit's max minus the same logsumexp
+                best = logits.float().amax(-1) - logits.float().logsumexp(-1)
+                for i, part in zip(live, torch.stack([-nll.float(), best], 1).split([n for _, n in scheduled])):
+                    kept[i].append(part.cpu())
             for i, part in zip(live, nll.split([n for _, n in scheduled])):
                 totals[i] += part.sum().item()
             for s, n in scheduled:
@@ -162,7 +169,36 @@ def _score_windows(engine, windows: list[list[int]], chunk_size: int) -> list[tu
     finally:
         for seq in seqs:
             bm.free(seq.request_id)
+    if per_token:
+        return [torch.cat(k) for k in kept]
     return [(t, len(w) - 1) for t, w in zip(totals, windows)]
+
+
+def forced_gaps(llm, prompts: list[list[int]], outputs: list[list[int]]) -> torch.Tensor:
+    """`greedy_gaps` with an llmopt LLM as the reference, through its own model and KV cache: for
+    every token of each output, the LLM's best log-probability at that position minus this
+    token's, given the prompt and the output before it (teacher-forced). The judge of another
+    engine's greedy tokens: on a GPU, the float32 engine that reproduced the CPU's tokens judges
+    bf16's (benchmarks/gpu_check.py)."""
+    engine = getattr(llm, "llm_engine", None)
+    if engine is None or not hasattr(engine, "kv_cache"):
+        raise TypeError(f"forced_gaps needs an llmopt LLM, got {type(llm).__name__}")
+    if len(prompts) != len(outputs):
+        raise ValueError(f"{len(prompts)} prompts but {len(outputs)} outputs")
+    pairs = [(list(p), list(o)) for p, o in zip(prompts, outputs) if o]
+    if any(not p for p, _ in pairs):
+        raise ValueError("every prompt needs at least one token")
+    gaps = []
+    for b in range(0, len(pairs), 8):
+        batch = pairs[b:b + 8]
+        windows = [p + o for p, o in batch]
+        longest = max(map(len, windows))
+        if longest > engine.max_model_len:
+            raise ValueError(f"a prompt and its output make {longest} tokens, over max_model_len ({engine.max_model_len})")
+        for (p, _), scores in zip(batch, _score_windows(engine, windows, longest, per_token=True)):
+            mine, best = scores[len(p) - 1:].unbind(1)
+            gaps.append(best - mine)
+    return torch.cat(gaps) if gaps else torch.zeros(0)
 
 
 @torch.inference_mode()

@@ -120,3 +120,31 @@ def test_follows_protocol_tells_other_windows_apart():
     assert follows_protocol(whole)
     assert not follows_protocol(whole[:-1])                      # fewer tokens
     assert not follows_protocol([(1.0, w // 2)] * (2 * (n // w)) + [(1.0, n % w)])   # shorter windows
+
+
+def test_forced_gaps_equal_transformers_and_are_zero_on_the_engines_own_greedy_tokens(tiny_llm):
+    """The engine as its own teacher-forced judge (what the GPU check uses): the same gaps as
+    transformers' `greedy_gaps` on the same tokens, zero for its own greedy choices and the
+    log-probability difference for a token put in their place."""
+    from transformers import AutoModelForCausalLM
+
+    from llmopt import SamplingParams
+    from llmopt.eval import forced_gaps, greedy_gaps
+
+    ids = tiny_llm.tokenizer(heldout_text("eval")[:4000], add_special_tokens=False)["input_ids"]
+    prompts = [ids[0:20], ids[100:131], ids[300:309]]
+    outs = tiny_llm.generate([{"prompt_token_ids": p} for p in prompts],
+                             SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    greedy = [o.outputs[0].token_ids for o in outs]
+    own = forced_gaps(tiny_llm, prompts, greedy)
+    assert own.shape == (36,) and float(own.abs().max()) < 1e-4
+    wrong = [g[:5] + [(g[5] + 1) % 1000] + g[6:] for g in greedy]
+    hf = AutoModelForCausalLM.from_pretrained(model_path("tiny"), dtype=torch.float32).eval()
+    mine, theirs = forced_gaps(tiny_llm, prompts, wrong), greedy_gaps(hf, prompts, wrong)
+    assert torch.allclose(mine, theirs, atol=1e-4)
+    assert bool((mine.view(3, 12)[:, 5] > 0.01).all())  # the planted tokens are not the best
+    assert forced_gaps(tiny_llm, [[1, 2]], [[]]).numel() == 0
+    with pytest.raises(ValueError, match="2 prompts but 1 outputs"):
+        forced_gaps(tiny_llm, [[1], [2]], [[3]])
+    with pytest.raises(TypeError, match="llmopt LLM"):
+        forced_gaps(hf, prompts, greedy)
