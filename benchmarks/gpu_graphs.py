@@ -1,9 +1,9 @@
 """The `cuda-graphs` section of gpu_check.py: decode steps replayed as CUDA graphs against eager.
 
-SmolLM2 (rebuilt from the carry) in bf16 twice: `enforce_eager=True`, and the default, whose
+SmolLM2 (the wheel's GGUF, once `smollm2-sanity` has passed) in bf16 twice: `enforce_eager=True`, and the default, whose
 decode steps replay the graph of their batch-size bucket (llmopt/worker/cuda_graphs.py). First
 the greedy tokens of the two (they may part where a padded bucket's matmuls round differently
-from the unpadded batch's; smollm2-greedy holds the engine to transformers), then the median
+from the unpadded batch's; smollm2-sanity holds the engine to the CPU), then the median
 decode step at 1, 8 and 32 sequences on each path: at small batch a step of SmolLM2 is a few
 hundred kernel launches, which a graph replays with one call. In the dry run the bundled model
 runs on the CPU with `call_again` standing in for a graph: the buffers and buckets run, the
@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import statistics
 
-from gpu_engine import check_greedy, engine_greedy, free, make_llm, prompts, smollm2_folder
+from gpu_engine import check_greedy, engine_greedy, free, make_llm, prompts
+from gpu_sanity import require_sane
 
 BATCHES = (1, 8, 32)
 
@@ -39,9 +40,10 @@ def decode_step_ms(run, llm, batch: int, steps: int) -> float:
 def section_cuda_graphs(run) -> None:
     from llmopt.worker.cuda_graphs import GraphedDecode, call_again
 
-    folder = smollm2_folder(run)
-    eager = make_llm(run, folder, enforce_eager=True, max_num_seqs=max(BATCHES))
-    graphed = make_llm(run, folder, max_num_seqs=max(BATCHES))
+    if not require_sane(run):
+        return
+    eager = make_llm(run, run.model, enforce_eager=True, max_num_seqs=max(BATCHES))
+    graphed = make_llm(run, run.model, max_num_seqs=max(BATCHES))
     engine = graphed.llm_engine
     if run.device == "cuda":
         run.check("decode steps replay CUDA graphs", engine.decode_path == "cuda graphs", engine.decode_path)

@@ -1,6 +1,8 @@
 """benchmarks/gpu_check.py cannot rot while no GPU is at hand: its dry run (the same sections
 and code paths, on the CPU through Triton's interpreter, tiny shapes, no timings) completes
-with every section ok, and writes the JSON and markdown reports the GPU run would."""
+with every section ok, and writes the JSON and markdown reports the GPU run would; and its
+checks can fail: with one weight matrix corrupted after the references were computed, the
+sanity checks fail and no section on that model reports ok."""
 
 import json
 import os
@@ -25,9 +27,12 @@ def test_gpu_check_dry_run_passes_every_section(tmp_path):
            for s in report["sections"] if s["status"] != "ok"}
     assert not bad, f"sections not ok: {bad}\n{r.stdout[-3000:]}"
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert report["dry_run"] and report["total_budget_s"] <= 480
+    assert report["dry_run"] and report["total_budget_s"] <= 330
     names = [s["name"] for s in report["sections"]]
     assert names[:3] == ["env", "cuda-tests", "kernels"] and "smollm2-throughput" in names
+    quality = next(s for s in report["sections"] if s["name"] == "smollm2-quality")["numbers"]
+    assert [r["name"] for r in quality["rows"]] == ["bf16", "fp16", "fp8-kv", "fp8-w", "rtn4", "gptq4", "awq4"]
+    assert all(abs(r["vs_cpu"]) <= 0.01 for r in quality["rows"] if r["cpu_perplexity"] is not None)
     assert all(s["checks"] for s in report["sections"]), "every section checks something"
     text = md.read_text()
     assert all(f"| {n} | ok |" in text for n in names)
@@ -50,32 +55,32 @@ def test_gpu_check_names_unknown_sections():
     assert r.returncode == 2 and "kernelz" in r.stderr and "kernels" in r.stderr
 
 
-def test_carry_round_trip_is_the_quantized_model(tmp_path):
-    """The compact form rebuilds, to the bit, into weights within half a step of the originals
-    (norms exactly), with the folder's small files as they were."""
-    import torch
+def test_a_planted_fault_fails_the_sanity_checks_and_every_section_on_that_model(tmp_path):
+    """The check that passed a garbage SmolLM2 compared two systems on the same broken weights. The
+    references are absolute: with one weight matrix corrupted after they were computed, float32
+    greedy tokens and perplexity leave the CPU's, and every section that runs the model fails."""
+    md, js = tmp_path / "gpu_check.md", tmp_path / "gpu_check.json"
+    env = dict(os.environ, TRITON_INTERPRET="1", HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--dry-run", "--plant-fault",
+                        "--only", "smollm2-quality", "cuda-graphs", "smollm2-throughput",
+                        "--out", str(md), "--json", str(js)], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=900)
+    assert js.is_file(), f"no report written (exit {r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-3000:]
+    sections = {s["name"]: s for s in json.loads(js.read_text())["sections"]}
+    sanity = sections["smollm2-sanity"]  # run although --only left it out: it gates the others
+    failed = {c["name"] for c in sanity["checks"] if not c["ok"]}
+    assert sanity["status"] == "failed"
+    assert any(n.startswith("float32 greedy tokens") for n in failed), sanity["checks"]
+    assert any(n.startswith("float32 perplexity") for n in failed), sanity["checks"]
+    assert "the model file is the CPU's (sha256)" in failed
+    for name in ("smollm2-quality", "cuda-graphs", "smollm2-throughput"):
+        assert sections[name]["status"] == "failed", (name, sections[name]["checks"])
+    assert not any(s["status"] == "ok" for s in sections.values())
+    assert "| smollm2-sanity | failed |" in md.read_text()
 
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from smollm2_carry import rebuild, write_carry
 
-    g = torch.Generator().manual_seed(0)
-    weights = {"model.embed_tokens.weight": torch.randn(64, 32, generator=g),
-               "model.layers.0.mlp.down_proj.weight": torch.randn(32, 48, generator=g) * 0.02,
-               "model.layers.0.input_layernorm.weight": torch.rand(32, generator=g)}
-    weights["model.layers.0.mlp.down_proj.weight"][3, 5] = 5.0  # an outlier
-    files = {"config.json": b'{"model_type": "llama"}\n', "tokenizer.json": b"{}"}
-    manifest = write_carry(weights, files, tmp_path / "carry", step=1.0, step_embedding=0.5)
-    assert manifest["bytes"] < sum(w.numel() * 4 for w in weights.values())
-    out = rebuild(tmp_path / "carry", tmp_path / "model")
-    from safetensors.torch import load_file
-
-    got = load_file(str(out / "model.safetensors"))
-    assert set(got) == set(weights)
-    assert torch.equal(got["model.layers.0.input_layernorm.weight"], weights["model.layers.0.input_layernorm.weight"])
-    for name in ("model.embed_tokens.weight", "model.layers.0.mlp.down_proj.weight"):
-        w = weights[name]
-        step = (w.pow(2).mean(1, keepdim=True).sqrt() * (0.5 if "embed" in name else 1.0))
-        assert torch.all((got[name] - w).abs() <= step / 2 + 1e-6), name
-    assert (out / "tokenizer.json").read_bytes() == b"{}" and (out / "config.json").is_file()
-    with pytest.raises(FileNotFoundError, match="--prepare"):
-        rebuild(tmp_path / "nothing", tmp_path / "model2")
+def test_plant_fault_needs_the_dry_run():
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--plant-fault"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--dry-run" in r.stderr
