@@ -11,10 +11,13 @@ table named as such (the table's own header names its machine):
 `holds=None` says that this machine cannot decide the claim (one made of a GPU, where no GPU
 run that passed its checks is on record): the verdict is "needs a GPU".
 
-A GPU figure comes only from a report whose model is the model: `gpu_report` reads the
-committed GPU check (benchmarks/gpu_check.py) and accepts it only where its SmolLM2 passed the
-greedy comparison with transformers and its perplexity is within `GPU_PPL_TOLERANCE` of the
-CPU's fp32 baseline, so that a run on broken weights decides nothing.
+A GPU figure comes only from a report whose model is the model. `gpu_report` reads the committed
+GPU check (benchmarks/gpu_check.py) and accepts it only where it ran on a GPU (not its CPU dry
+run) and its `smollm2-sanity` section passed: the GPU's SmolLM2, loaded from the real GGUF file,
+matched the references computed on the CPU, so that a run on broken weights decides nothing.
+`gpu_quality` returns that report's SmolLM2 quality table (perplexity and greedy tokens of bf16,
+fp16, FP8 and W4A16 on the GPU, each beside the CPU's same configuration) where its section passed
+too. Both say in one sentence why a report counts or why not, for a lesson to print.
 """
 
 from __future__ import annotations
@@ -26,9 +29,9 @@ from pathlib import Path
 from llmopt.bench.common import machine
 
 HOLDS, FAILS, NEEDS_GPU = "holds", "does not hold", "needs a GPU"
-# Perplexities on different token counts of the same text differ by some percent; broken
-# weights are off by orders of magnitude. A quarter tells the two apart.
-GPU_PPL_TOLERANCE = 0.25
+# How a section that did not pass ended, in words (benchmarks/gpu_check.py's statuses).
+_ENDED = {"failed": "failed", "error": "stopped on an error", "timeout": "ran out of time",
+          "skipped": "was skipped", "not run": "did not run"}
 
 
 @dataclass
@@ -67,30 +70,65 @@ class Scorecard:
                 for r in self.rows]
 
 
-def gpu_report(path: Path | None = None, cpu_fp32_perplexity: float | None = None) -> tuple[dict | None, str]:
+def _section_failed(report: dict, name: str, what: str) -> str | None:
+    """Why section `name` of `report` does not count (None where its status is "ok")."""
+    section = next((s for s in report.get("sections", []) if s.get("name") == name), None)
+    if section is None:
+        return f"it has no {name} section"
+    status = section.get("status")
+    if status == "ok":
+        return None
+    failed = [f"{c.get('name')}: {c.get('detail')}" for c in section.get("checks", []) if not c.get("ok")]
+    return f"{what} {_ENDED.get(status, repr(status))}" + (f" ({'; '.join(failed[:2])})" if failed else "")
+
+
+def gpu_report(path: Path | None = None) -> tuple[dict | None, str]:
     """(the committed GPU report, why it counts), or (None, why it does not).
 
-    path: the report's JSON (default: the committed benchmarks/results/gpu_check.json).
-    cpu_fp32_perplexity: the CPU's SmolLM2 perplexity to hold the GPU's against (default: the fp32
-        row of the committed precision table, llmopt.eval.PROTOCOL)."""
+    path: the report's JSON (default: the committed benchmarks/results/gpu_check.json). A report
+    counts where `dry_run` is false and its `smollm2-sanity` section's status is "ok"."""
     from llmopt.package_data import committed_result
 
     try:
         report = json.loads((path or committed_result("gpu_check.json")).read_text())
     except FileNotFoundError:
         return None, "no GPU report is committed"
-    if cpu_fp32_perplexity is None:
-        precision = json.loads(committed_result("precision_smollm2.json").read_text())
-        cpu_fp32_perplexity = next(r["perplexity"] for r in precision["rows"] if r["name"] == "fp32")
-    sections = {s["name"]: s for s in report.get("sections", [])}
-    greedy, fp8 = sections.get("smollm2-greedy"), sections.get("smollm2-fp8")
-    if greedy is None or greedy.get("status") != "ok":
-        return None, "its SmolLM2 greedy comparison with transformers did not pass"
-    gpu_ppl = ((fp8 or {}).get("numbers") or {}).get("bf16", {}).get("perplexity")
-    if gpu_ppl is None:
-        return None, "it has no SmolLM2 perplexity to hold against the CPU's"
-    if abs(gpu_ppl / cpu_fp32_perplexity - 1) > GPU_PPL_TOLERANCE:
-        return None, (f"its SmolLM2 scored perplexity {gpu_ppl:,.1f} against the CPU's {cpu_fp32_perplexity:.2f}: "
-                      "its weights were not SmolLM2's, so its timings decide nothing")
-    return report, (f"on {report.get('device_name', 'a GPU')}, its SmolLM2 within {GPU_PPL_TOLERANCE:.0%} of the "
-                    f"CPU's perplexity ({gpu_ppl:.2f} vs {cpu_fp32_perplexity:.2f})")
+    if report.get("dry_run") is not False:
+        return None, ("it is a dry run on the CPU, not a run on a GPU" if report.get("dry_run") else
+                      "it does not say that it ran on a GPU (no dry_run: false)")
+    sections = {s.get("name"): s for s in report.get("sections", [])}
+    if "smollm2-sanity" not in sections:
+        # The reports from before the check rebuilt SmolLM2 from a lossy copy of its weights; the
+        # bf16 perplexity they recorded shows how far from the model that was.
+        old = ((sections.get("smollm2-fp8") or {}).get("numbers") or {}).get("bf16") or {}
+        ppl = f" (perplexity {old['perplexity']:,.0f})" if isinstance(old.get("perplexity"), (int, float)) else ""
+        return None, ("it was made before the GPU's SmolLM2 was checked against the CPU's references: "
+                      f"its SmolLM2 was a lossy rebuild{ppl}, so its figures decide nothing")
+    failed = _section_failed(report, "smollm2-sanity", "its SmolLM2 check against the CPU's references")
+    if failed:
+        return None, failed + ", so its figures decide nothing"
+    return report, (f"made on {report.get('device_name', 'a GPU')} by benchmarks/gpu_check.py, its SmolLM2 "
+                    "checked against the CPU's references")
+
+
+def gpu_quality(path: Path | None = None) -> tuple[list[dict] | None, str]:
+    """(the GPU's SmolLM2 quality rows, a sentence naming the device), or (None, why not).
+
+    Each row (benchmarks/gpu_check.py's smollm2-quality section) is one configuration: name,
+    label, activations, perplexity, cpu_perplexity (the CPU's same configuration; None for bf16
+    and fp16, held against the CPU's float32), the relative differences vs_cpu, vs_cpu_fp32 and
+    vs_bf16 (perplexity / other's - 1), greedy_vs_bf16 {identical, of, prefix_share}, kv_blocks,
+    kv_blocks_vs_bf16. The rows count where the report does (`gpu_report`) and its
+    smollm2-quality section's status is "ok"."""
+    report, why = gpu_report(path)
+    if report is None:
+        return None, why
+    failed = _section_failed(report, "smollm2-quality", "its SmolLM2 quality section")
+    if failed:
+        return None, failed
+    quality = next(s for s in report["sections"] if s.get("name") == "smollm2-quality")
+    rows = (quality.get("numbers") or {}).get("rows")
+    if not rows:
+        return None, "its SmolLM2 quality section has no rows"
+    return rows, (f"measured on {report.get('device_name', 'a GPU')} by benchmarks/gpu_check.py, each row "
+                  "checked against the CPU's same configuration")

@@ -1,11 +1,12 @@
 """The scorecard's verdicts, and the guard that keeps a GPU report on broken weights from deciding a claim."""
 
 import json
+from pathlib import Path
 
 import pytest
 
 from llmopt.package_data import committed_result
-from llmopt.viz.scorecard import FAILS, HOLDS, NEEDS_GPU, Scorecard, gpu_report
+from llmopt.viz.scorecard import FAILS, HOLDS, NEEDS_GPU, Scorecard, gpu_quality, gpu_report
 
 
 def test_a_verdict_is_holds_fails_or_needs_a_gpu_and_a_rerun_replaces_its_row(capsys):
@@ -29,23 +30,81 @@ def test_score_refuses_what_is_not_a_verdict(bad):
         Scorecard().score(**kwargs)
 
 
-def _report(tmp_path, perplexity: float, greedy: str = "ok"):
-    report = json.loads(committed_result("gpu_check.json").read_text())
-    for section in report["sections"]:
-        if section["name"] == "smollm2-greedy":
-            section["status"] = greedy
-        if section["name"] == "smollm2-fp8":
-            section["numbers"]["bf16"]["perplexity"] = perplexity
+ROWS = [{"name": "bf16", "label": "bf16 weights and activations", "activations": "bfloat16",
+         "perplexity": 9.55, "cpu_perplexity": None, "vs_cpu": None, "vs_cpu_fp32": 0.0004, "vs_bf16": 0.0,
+         "greedy_vs_bf16": {"identical": 16, "of": 16, "prefix_share": 1.0},
+         "kv_blocks": 53951, "kv_blocks_vs_bf16": 1.0},
+        {"name": "fp8-kv", "label": "FP8 e4m3 KV cache, calibrated scales", "activations": "bfloat16",
+         "perplexity": 9.62, "cpu_perplexity": 9.616, "vs_cpu": 0.0004, "vs_cpu_fp32": 0.008, "vs_bf16": 0.007,
+         "greedy_vs_bf16": {"identical": 5, "of": 16, "prefix_share": 0.4},
+         "kv_blocks": 107538, "kv_blocks_vs_bf16": 1.99}]
+
+
+def _report(tmp_path, dry_run=False, sanity="ok", quality="ok") -> Path:
+    """A report in benchmarks/gpu_check.py's JSON format; a status of None leaves that section out."""
+    sections = [{"name": "env", "status": "ok", "numbers": {"load_average_1min": 0.4}}]
+    if sanity is not None:
+        sections.append({"name": "smollm2-sanity", "status": sanity, "numbers": {}, "checks": [
+            {"name": "greedy tokens vs the CPU", "ok": sanity == "ok", "detail": "16 of 16 identical"}]})
+    if quality is not None:
+        sections.append({"name": "smollm2-quality", "status": quality, "checks": [], "numbers": {
+            "cpu_fp32_perplexity": 9.546, "protocol": "perplexity protocol", "rows": ROWS}})
     path = tmp_path / "gpu_check.json"
-    path.write_text(json.dumps(report))
+    path.write_text(json.dumps({"device_name": "NVIDIA H200", "dry_run": dry_run,
+                                "command": "python benchmarks/gpu_check.py", "sections": sections}))
     return path
 
 
-def test_a_gpu_report_counts_only_where_its_model_is_the_model(tmp_path):
-    ok, why = gpu_report(_report(tmp_path, 10.0), cpu_fp32_perplexity=9.5)
-    assert ok is not None and "within" in why
-    broken, why = gpu_report(_report(tmp_path, 896_246.0), cpu_fp32_perplexity=9.5)
-    assert broken is None and "not SmolLM2's" in why
-    failed, why = gpu_report(_report(tmp_path, 10.0, greedy="failed"), cpu_fp32_perplexity=9.5)
-    assert failed is None and "greedy" in why
-    assert gpu_report(tmp_path / "absent.json")[0] is None
+def test_a_gpu_report_whose_smollm2_passed_counts_and_its_quality_rows_with_it(tmp_path):
+    report, why = gpu_report(_report(tmp_path))
+    assert report is not None and report["device_name"] == "NVIDIA H200" and "NVIDIA H200" in why
+    rows, why = gpu_quality(_report(tmp_path))
+    assert rows == ROWS
+    assert "measured on NVIDIA H200 by benchmarks/gpu_check.py" in why and "CPU's same configuration" in why
+
+
+@pytest.mark.parametrize("report, words", [
+    (dict(dry_run=True), "dry run"),
+    (dict(sanity="failed"), "failed (greedy tokens vs the CPU: 16 of 16 identical)"),
+    (dict(sanity="timeout"), "ran out of time"),
+])
+def test_a_dry_run_or_a_smollm2_that_did_not_pass_decides_nothing(tmp_path, report, words):
+    path = _report(tmp_path, **report)
+    for counted, why in (gpu_report(path), gpu_quality(path)):
+        assert counted is None and words in why
+
+
+def test_the_quality_rows_count_only_where_their_own_section_passed(tmp_path):
+    assert gpu_report(_report(tmp_path, quality="failed"))[0] is not None   # its timings still count
+    for quality, words in (("failed", "quality section failed"), ("not run", "did not run"),
+                           (None, "no smollm2-quality")):
+        rows, why = gpu_quality(_report(tmp_path, quality=quality))
+        assert rows is None and words in why
+
+
+def test_a_report_from_before_the_sanity_check_does_not_count_and_says_why(tmp_path):
+    path = _report(tmp_path, sanity=None, quality=None)
+    report = json.loads(path.read_text())
+    old = {"name": "smollm2-fp8", "status": "ok", "numbers": {"bf16": {"perplexity": 896_246.16}}}
+    report["sections"].append(old)
+    path.write_text(json.dumps(report))
+    for counted, why in (gpu_report(path), gpu_quality(path)):
+        assert counted is None and "before the GPU's SmolLM2 was checked" in why and "perplexity 896,246" in why
+    counted, why = gpu_report(_report(tmp_path, sanity=None, quality=None))   # no perplexity to quote
+    assert counted is None and "lossy rebuild" in why and "perplexity" not in why
+
+
+def test_the_committed_report_counts_only_if_it_passed_the_sanity_check():
+    report, why = gpu_report()
+    sections = {s["name"]: s for s in report["sections"]} if report else {}
+    assert report is None or sections["smollm2-sanity"]["status"] == "ok", why
+
+
+def test_no_report_is_no_figure(tmp_path):
+    for counted, why in (gpu_report(tmp_path / "absent.json"), gpu_quality(tmp_path / "absent.json")):
+        assert counted is None and "no GPU report" in why
+
+
+def test_the_h200_report_of_2026_12_04_does_not_count_its_smollm2_was_a_lossy_rebuild():
+    report, why = gpu_report(committed_result("gpu_check_2026-12-04.json"))
+    assert report is None and "lossy rebuild (perplexity 896,246)" in why
