@@ -23,8 +23,9 @@ streaming clients, TTFT / TPOT, saturation), `resilient_client` (timeouts, retri
 and jitter, a circuit breaker per replica) and `soak` (a long run with faults injected).
 
 One module per workload (kv_cache, offline, kv_slot_usage, prefix, chunked, spec, roofline), `inputs` for the
-requests they run and `common` for what they share; this module picks the workload from the
-command line and writes its table.
+requests they run, `edit` for the edit workload (rename a variable in ~300 tokens of code: answers
+that repeat the prompt, where n-gram speculation does best) and `common` for what they share;
+this module picks the workload from the command line and writes its table.
 """
 
 from __future__ import annotations
