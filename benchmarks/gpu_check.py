@@ -17,8 +17,12 @@ seconds and the alarm, there only a guard against a section that hangs, is at 4x
    float32 greedy tokens and log-probabilities, bf16 / fp16 tokens and perplexity; then FP8 KV,
    FP8 weights and W4A16 (RTN, GPTQ, AWQ) each against the same configuration on the CPU.
 6. `cuda-graphs` (gpu_graphs.py), `smollm2-throughput`: decode steps replayed as graphs against
-   eager; the engine against transformers' static batches and the roofline. Each runs only on
-   a model that passed `smollm2-sanity`.
+   eager; the engine against transformers' static batches and the roofline.
+7. `decode-speed`, `speculation` (gpu_speed.py): SmolLM2 at batch 1 end to end, an 8B shape's
+   decode and prefill against the measured ceilings, n-gram and EAGLE speculation at batch 1.
+   Their headline figures, each beside its goal, open the report (`summary`).
+
+Every section from 5 on runs only on a model that passed `smollm2-sanity`.
 
     python benchmarks/gpu_carry.py prepare       # here, once: the wheels in 4 parts (see there)
     python benchmarks/gpu_carry.py install /tmp/site && \
@@ -52,7 +56,8 @@ ROOT = HERE.parent
 REFERENCES = HERE / "gpu_references" / "smollm2.json"
 # What the script's wall time must stay under on one GPU, start-up included: a rerun of the whole
 # command must fit beside the first in a lent GPU's 15 minutes, the machine's start and carry too.
-TOTAL_BUDGET_S = 330
+# (The budgets are ceilings: the sections' expected times sum to about 4 minutes.)
+TOTAL_BUDGET_S = 360
 
 
 @dataclass
@@ -122,14 +127,23 @@ class Run:
         return self._deadline - self.clock()
 
     def has_time(self, seconds: float = 0.0) -> bool:
-        """False once the section's budget is spent (then the caller stops adding work and says so)."""
-        if self.time_left() > seconds:
+        """False once the section's budget is spent (then the caller stops adding work and says so).
+        Always True in the dry run: its CPU seconds swell on a loaded machine (a CI run beside other
+        jobs spent 2x the quiet run's), and a dry run that skipped steps would prove less; there
+        only the alarm stops a section, one that hangs."""
+        if self.dry_run or self.time_left() > seconds:
             return True
         self.note("budget spent: the remaining steps of this section were not run")
         return False
 
-    def timed(self, fn, warmup: int = 2, iters: int = 10) -> float | None:
-        """Median milliseconds of fn() on the device (CUDA events); None in the dry run."""
+    def timed(self, fn, warmup: int = 2, iters: int = 10, per_replay: int = 20) -> float | None:
+        """Median milliseconds of one fn() on the device; None in the dry run.
+
+        A kernel of microseconds timed one call at a time measures its launch, not itself. So fn
+        is captured `per_replay` times into one CUDA graph, and each of `iters` replays is timed
+        with CUDA events and divided by `per_replay`: back-to-back kernels with no launch gaps, as a
+        replayed decode step runs them. What cannot be captured (host work, a synchronizing op)
+        is timed the same way over `per_replay` plain calls in a row."""
         if self.dry_run:
             fn()
             return None
@@ -137,17 +151,45 @@ class Run:
 
         import torch
 
-        for _ in range(warmup):
-            fn()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm up off the default stream, as capture requires
+            for _ in range(warmup):
+                fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        once = max(start.elapsed_time(end), 1e-3)
+        # about 2 ms a replay (launch gaps are microseconds), and no more than ~0.3 s in all
+        per_replay = max(1, min(per_replay, int(2.0 / once)))
+        iters = max(3, min(iters, int(300 / (once * per_replay))))
+        try:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for _ in range(per_replay):
+                    fn()
+            run_many = graph.replay
+        except Exception:  # noqa: BLE001 - not capturable: plain calls in a row instead
+            torch.cuda.synchronize()
+            graph = None
+
+            def run_many():
+                for _ in range(per_replay):
+                    fn()
+        run_many()
         torch.cuda.synchronize()
         times = []
         for _ in range(iters):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            fn()
+            run_many()
             end.record()
             torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
+            times.append(start.elapsed_time(end) / per_replay)
+        del graph
         return statistics.median(times)
 
     def wall(self, fn) -> tuple[float, object]:
@@ -304,25 +346,33 @@ def section_cuda_tests(run: Run) -> None:
 
 
 SECTIONS = ("env", "cuda-tests", "kernels", "kernel-timings", "engine-tiny", "smollm2-sanity", "smollm2-quality",
-            "cuda-graphs", "smollm2-throughput")
-GATED = {"smollm2-quality", "cuda-graphs", "smollm2-throughput"}  # each checks that smollm2-sanity passed
+            "cuda-graphs", "smollm2-throughput", "decode-speed", "speculation")
+# each checks that smollm2-sanity passed
+GATED = {"smollm2-quality", "cuda-graphs", "smollm2-throughput", "decode-speed", "speculation"}
+# The report's summary: figure -> (the section that measures it, the goal it is held to, at least)
+SUMMARY = {"smollm2_bf16_batch1_tok_s": ("decode-speed", 1500.0),
+           "dense8b_bf16_batch1_bw_share": ("decode-speed", 0.75),
+           "prefill8b_tflops_share": ("decode-speed", 0.60),
+           "ngram_edit_speedup_batch1": ("speculation", 2.0)}
 
 
 def sections() -> list[tuple[Section, object]]:
     import gpu_engine
     import gpu_graphs
     import gpu_kernels
-
     import gpu_sanity
+    import gpu_speed
 
-    plan = [("env", 15, section_env), ("cuda-tests", 55, section_cuda_tests),
-            ("kernels", 40, gpu_kernels.section_kernels),
-            ("kernel-timings", 15, gpu_kernels.section_kernel_timings),
-            ("engine-tiny", 20, gpu_engine.section_engine_tiny),
+    plan = [("env", 15, section_env), ("cuda-tests", 50, section_cuda_tests),
+            ("kernels", 35, gpu_kernels.section_kernels),
+            ("kernel-timings", 10, gpu_kernels.section_kernel_timings),
+            ("engine-tiny", 15, gpu_engine.section_engine_tiny),
             ("smollm2-sanity", 40, gpu_sanity.section_smollm2_sanity),
-            ("smollm2-quality", 75, gpu_sanity.section_smollm2_quality),
-            ("cuda-graphs", 15, gpu_graphs.section_cuda_graphs),
-            ("smollm2-throughput", 25, gpu_engine.section_smollm2_throughput)]
+            ("smollm2-quality", 70, gpu_sanity.section_smollm2_quality),
+            ("cuda-graphs", 10, gpu_graphs.section_cuda_graphs),
+            ("smollm2-throughput", 20, gpu_engine.section_smollm2_throughput),
+            ("decode-speed", 35, gpu_speed.section_decode_speed),
+            ("speculation", 30, gpu_speed.section_speculation)]
     assert sum(b for _, b, _ in plan) <= TOTAL_BUDGET_S - 30, "the budgets must leave room for start-up"
     assert tuple(n for n, _, _ in plan) == SECTIONS
     return [(Section(name, budget), fn) for name, budget, fn in plan]
@@ -338,6 +388,10 @@ def markdown(report: dict) -> str:
         ok = sum(c["ok"] for c in s["checks"])
         lines.append(f"| {s['name']} | {s['status']} | {s['seconds']:.1f} ({s['budget_s']:.0f}) | "
                      f"{ok}/{len(s['checks'])} |")
+    lines += ["", "| figure | value | goal (at least) | met |", "|---|---|---|---|"]
+    for key, f in report["summary"].items():
+        value = "-" if f["value"] is None else f"{f['value']:,.3g}"
+        lines.append(f"| {key} | {value} | {f['goal']:g} | {'-' if f['met'] is None else 'yes' if f['met'] else 'no'} |")
     for s in report["sections"]:
         lines += ["", f"## {s['name']}: {s['status']}", ""]
         if s["error"]:
@@ -353,12 +407,24 @@ def markdown(report: dict) -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
+def summary(plan, dry_run: bool) -> dict:
+    """The headline figures (SUMMARY), each with its goal, from sections that passed (None otherwise);
+    the dry run's are the CPU's and judge nothing (met: None)."""
+    sections = {s.name: s for s, _ in plan}
+    out = {}
+    for key, (name, goal) in SUMMARY.items():
+        value = sections[name].numbers.get(key) if sections[name].status == "ok" else None
+        out[key] = {"value": value, "goal": goal, "met": None if value is None or dry_run else value >= goal,
+                    "section": name}
+    return out
+
+
 def write_reports(args, argv: list[str], run: Run, plan, t0: float) -> dict:
     """The markdown and JSON reports of the sections run so far."""
     report = {"command": " ".join(["python benchmarks/gpu_check.py", *argv]), "dry_run": args.dry_run,
               "device_name": run.device_name,
               "total_seconds": time.monotonic() - t0, "total_budget_s": TOTAL_BUDGET_S,
-              "ceilings": run.ceilings, "sections": [vars(s) for s, _ in plan]}
+              "ceilings": run.ceilings, "summary": summary(plan, args.dry_run), "sections": [vars(s) for s, _ in plan]}
     for path, text in ((args.json, json.dumps(report, indent=1, default=str) + "\n"), (args.out, markdown(report))):
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)

@@ -226,6 +226,8 @@ def section_kernel_timings(run) -> None:
 
     bw = run.ceilings["bandwidth_GBps"]
     fmt = lambda v, f="{:.3f}": "-" if v is None else f.format(v)  # noqa: E731
+    run.note("each time is one call's share of a CUDA graph replaying the call back to back (Run.timed): "
+             "the kernel without its launch, median of replays")
 
     # decode attention: SmolLM2's heads, and a Llama-3-8B layer's (8 KV heads of 128, group 4)
     shapes = [("SmolLM2 3x64 g3", 3, 3, 64), ("8B 8x128 g4", 8, 4, 128)]

@@ -1,0 +1,144 @@
+"""The speed sections of gpu_check.py: decode at batch 1 against the roofline, and speculation.
+
+- `decode-speed`: SmolLM2 in bf16 at batch 1, end to end (`LLM.generate` wall time for 256 tokens
+  after a 32-token prompt, warm, best of 3); then a Llama-3.1-8B shape with random weights
+  (`load_format="dummy"`: real shapes, for speed only) in bf16: decode at batch 1 as bytes of
+  weights and KV read per second against the bandwidth measured in `env`, and the prefill of 8
+  prompts of 2,048 tokens as FLOP/s against the measured bf16 peak.
+- `speculation`: at batch 1, n-gram lookup on the edit workload (llmopt.bench.edit: rename a
+  variable in ~300 tokens of code, answers that repeat the prompt) and the bundled EAGLE head on
+  chat questions, each against plain decoding on the same requests: the speedup in wall time,
+  and every speculative token within MAX_GAP nats of the plain engine's best (teacher-forced;
+  bf16 verification of k + 1 tokens may round a near-tie the other way, a wrong one picks
+  tokens nats below).
+
+Their figures feed the report's `summary` block (gpu_check.py). Each runs only on a model that
+passed `smollm2-sanity`. In the dry run the bundled models stand in (tiny for SmolLM2 and, with
+random weights, for the 8B shape), with short requests; its timings are the CPU's and mean nothing.
+"""
+
+from __future__ import annotations
+
+import time
+
+from llmopt import SamplingParams
+from llmopt.eval import forced_gaps
+
+from gpu_engine import MAX_GAP, agreement, decode_and_prefill, free, make_llm
+from gpu_sanity import require_sane
+
+CHAT = ["What makes a good breakfast?", "Explain how rainbows form.", "Give me three ideas for a rainy weekend.",
+        "Why do cats purr?", "How can I become a better listener?", "Describe the life cycle of a butterfly.",
+        "What should I pack for a week at the beach?", "Why is the sky dark at night?"]
+
+
+def best_wall(run, fn, repeats: int = 3) -> float:
+    """The fastest of `repeats` synchronized wall times of fn() (the first run warms it up)."""
+    fn()
+    return min(run.wall(fn)[0] for _ in range(1 if run.dry_run else repeats))
+
+
+def section_decode_speed(run) -> None:
+    if not require_sane(run):
+        return
+    new, prompt_len = (8, 8) if run.dry_run else (256, 32)
+    llm = make_llm(run, run.model)
+    prompt = run.refs["greedy"]["prompts"][0][:prompt_len]
+    params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
+    seconds = best_wall(run, lambda: llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False))
+    tok_s = new / seconds
+    path = llm.llm_engine.decode_path
+    llm = None  # the engine goes before the 8B shape's comes (free collects it)
+    free()
+    rows = [[f"SmolLM2 bf16, batch 1: {new} tokens after a {prompt_len}-token prompt ({path})",
+             f"{tok_s:,.0f} tokens/s ({1e3 * seconds / new:.2f} ms a token)", "-"]]
+    numbers = {"smollm2_bf16_batch1_tok_s": tok_s}
+    if run.has_time(10):
+        shape = "tiny" if run.dry_run else "llama-3.1-8b"
+        kw = {} if run.dry_run else {"gpu_memory_utilization": 0.6}  # 16 GB of bf16 weights
+        dense = make_llm(run, shape, load_format="dummy", **kw)
+        bw, peak = run.ceilings["bandwidth_GBps"], run.ceilings["bf16_TFLOPs"]
+        decode = decode_and_prefill(run, dense, 1, *((8, 4) if run.dry_run else (32, 64)))
+        prefill = decode_and_prefill(run, dense, *((2, 32, 1) if run.dry_run else (8, 2048, 1)))
+        del dense
+        free()
+        numbers.update(dense8b_bf16_batch1_bw_share=decode["decode_GBps"] / bw,
+                       prefill8b_tflops_share=prefill["prefill_TFLOPs"] / peak, dense8b=decode, prefill8b=prefill)
+        rows += [[f"{shape} shape (random weights) bf16, decode at batch 1 ({decode['decode_steps']} steps)",
+                  f"{decode['decode_GBps']:.0f} GB/s of weights + KV ({decode['decode_tokens_per_s']:,.0f} tokens/s)",
+                  f"{100 * numbers['dense8b_bf16_batch1_bw_share']:.1f}% of {bw:.0f} GB/s"],
+                 [f"{shape} shape, prefill of {prefill['prefill_tokens']:,} tokens",
+                  f"{prefill['prefill_TFLOPs']:.1f} TFLOP/s", f"{100 * numbers['prefill8b_tflops_share']:.1f}% of {peak:.0f}"]]
+    run.section.numbers.update(numbers)
+    run.table("Decode and prefill against the roofline (the ceilings measured in `env`)",
+              ["what", "measured", "share of the ceiling"], rows)
+    run.check("SmolLM2 and the 8B shape measured", "prefill8b_tflops_share" in numbers,
+              ", ".join(k for k in numbers if not isinstance(numbers[k], dict)))
+    if run.dry_run:
+        run.note("timed on the CPU in the dry run: not a measurement")
+
+
+def chat_requests(tokenizer, n: int) -> list[list[int]]:
+    out = []
+    for text in CHAT[:n]:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                            tokenize=True)
+        out.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
+    return out
+
+
+def batch1(run, llm, prompts, max_tokens) -> tuple[float, list[list[int]]]:
+    """Seconds and greedy tokens of the prompts one at a time (batch 1), after one to warm up."""
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in max_tokens]
+    llm.generate([{"prompt_token_ids": prompts[0]}], params[0], use_tqdm=False)
+    seconds, tokens = 0.0, []
+    for p, sp in zip(prompts, params):
+        dt, out = run.wall(lambda p=p, sp=sp: llm.generate([{"prompt_token_ids": p}], sp, use_tqdm=False))
+        seconds += dt
+        tokens.append(out[0].outputs[0].token_ids)
+    return seconds, tokens
+
+
+def section_speculation(run) -> None:
+    from llmopt.bench.edit import edit_requests
+
+    if not require_sane(run):
+        return
+    plain = make_llm(run, run.model)
+    edits = edit_requests(plain.tokenizer, *((2, 60) if run.dry_run else (8, 300)))
+    workloads = {
+        "n-gram, edit workload": ({"method": "ngram", "prompt_lookup_max": 4, "num_speculative_tokens": 4},
+                                  [r.prompt_token_ids for r in edits],
+                                  [min(r.max_tokens, 16) if run.dry_run else r.max_tokens for r in edits]),
+        "EAGLE, chat": ({"method": "eagle", "model": "tiny-eagle" if run.dry_run else "smollm2-eagle",
+                         "num_speculative_tokens": 4},
+                        chat_requests(plain.tokenizer, 2 if run.dry_run else 8), [8 if run.dry_run else 128] * 8)}
+    rows = []
+    for name, (config, prompts, max_tokens) in workloads.items():
+        if not run.has_time(10):
+            break
+        t0 = time.monotonic()
+        plain_s, plain_tokens = batch1(run, plain, prompts, max_tokens)
+        spec = make_llm(run, run.model, speculative_config=config)
+        spec_s, spec_tokens = batch1(run, spec, prompts, max_tokens)
+        del spec
+        free()
+        same, share = agreement(spec_tokens, plain_tokens)
+        gaps = forced_gaps(plain, prompts, spec_tokens)
+        gap = float(gaps.max()) if len(gaps) else 0.0
+        run.check(f"{name}: every token within {MAX_GAP} nats of plain decoding's best (teacher-forced)",
+                  gap <= MAX_GAP, f"largest gap {gap:.3f}; {same}/{len(prompts)} sequences identical to plain's")
+        key = "ngram_edit_speedup_batch1" if name.startswith("n-gram") else "eagle_chat_speedup_batch1"
+        run.section.numbers[key] = plain_s / spec_s
+        tokens = sum(map(len, spec_tokens))
+        rows.append([name, len(prompts), f"{tokens:,}", f"{tokens / plain_s:,.0f}", f"{tokens / spec_s:,.0f}",
+                     f"{plain_s / spec_s:.2f}x", f"{same}/{len(prompts)}, {100 * share:.0f}%"])
+        run.note(f"{name}: {time.monotonic() - t0:.1f} s")
+    del plain
+    free()
+    run.table("Speculative decoding at batch 1 (SmolLM2 bf16, k = 4), each beside plain decoding on the same requests",
+              ["method, workload", "requests", "tokens", "plain tokens/s", "speculative tokens/s", "speedup",
+               "identical to plain (sequences, prefix)"], rows)
+    run.check("both workloads measured", len(rows) == len(workloads), f"{len(rows)} of {len(workloads)}")
+    if run.dry_run:
+        run.note("timed on the CPU in the dry run: not a measurement")
