@@ -3,7 +3,7 @@
 GPU time is short and rare, so this script is prepared ahead and runs everything in one
 process, in sections, each guarded: a section that fails or raises is recorded with its error
 and the script goes on; each has a time budget (checked between steps, and a hard alarm at
-1.5x), so the whole fits 5 minutes, start-up included (in the dry run the budgets count CPU
+1.5x), so the whole fits 6 minutes, start-up included (in the dry run the budgets count CPU
 seconds and the alarm, there only a guard against a section that hangs, is at 4x). In order:
 
 1. `env`: the device, versions, the carried packages, and the ceilings measured in place (copy

@@ -16,7 +16,6 @@ another model or another protocol by accident.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import tempfile
 import time
@@ -63,11 +62,9 @@ def model_file(model: str) -> Path:
 
 
 def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+    from gpu_carry import sha256
+
+    return sha256(Path(path))
 
 
 def engine(model: str, dtype, device: str = "cpu", **kw):
