@@ -26,11 +26,7 @@ from llmopt.eval import forced_gaps
 
 from gpu_engine import MAX_GAP, agreement, decode_and_prefill, free, make_llm
 from gpu_sanity import require_sane
-
-CHAT = ["What makes a good breakfast?", "Explain how rainbows form.", "Give me three ideas for a rainy weekend.",
-        "Why do cats purr?", "How can I become a better listener?", "Describe the life cycle of a butterfly.",
-        "What should I pack for a week at the beach?", "Why is the sky dark at night?"]
-
+from spec_eagle_smollm2 import requests
 
 def best_wall(run, fn, repeats: int = 3) -> float:
     """The fastest of `repeats` synchronized wall times of fn() (the first run warms it up)."""
@@ -78,15 +74,6 @@ def section_decode_speed(run) -> None:
         run.note("timed on the CPU in the dry run: not a measurement")
 
 
-def chat_requests(tokenizer, n: int) -> list[list[int]]:
-    out = []
-    for text in CHAT[:n]:
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                            tokenize=True)
-        out.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
-    return out
-
-
 def batch1(run, llm, prompts, max_tokens) -> tuple[float, list[list[int]]]:
     """Seconds and greedy tokens of the prompts one at a time (batch 1), after one to warm up."""
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in max_tokens]
@@ -105,6 +92,7 @@ def section_speculation(run) -> None:
     if not require_sane(run):
         return
     plain = make_llm(run, run.model)
+    chat = requests(plain.tokenizer, "chat", 0)  # spec_eagle_smollm2.py's chat questions, templated
     edits = edit_requests(plain.tokenizer, *((2, 60) if run.dry_run else (8, 300)))
     workloads = {
         "n-gram, edit workload": ({"method": "ngram", "prompt_lookup_max": 4, "num_speculative_tokens": 4},
@@ -112,7 +100,7 @@ def section_speculation(run) -> None:
                                   [min(r.max_tokens, 16) if run.dry_run else r.max_tokens for r in edits]),
         "EAGLE, chat": ({"method": "eagle", "model": "tiny-eagle" if run.dry_run else "smollm2-eagle",
                          "num_speculative_tokens": 4},
-                        chat_requests(plain.tokenizer, 2 if run.dry_run else 8), [8 if run.dry_run else 128] * 8)}
+                        [r.prompt_token_ids for r in chat[:2 if run.dry_run else 8]], [8 if run.dry_run else 128] * 8)}
     rows = []
     for name, (config, prompts, max_tokens) in workloads.items():
         if not run.has_time(10):

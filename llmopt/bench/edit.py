@@ -30,6 +30,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from llmopt.bench.inputs import BenchRequest
+from llmopt.chat import render_chat
 from llmopt.model.registry import heldout_text
 
 NOT_VARIABLES = set(keyword.kwlist) | set(keyword.softkwlist) | set(dir(builtins)) | {"self", "cls"}
@@ -129,9 +130,7 @@ def edit_requests(tokenizer, num_requests: int = 8, code_tokens: int = 300, seed
         new = f"new_{old}"
         text = INSTRUCTION.format(old=old, new=new, code=code)
         if getattr(tokenizer, "chat_template", None):
-            ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                                tokenize=True)
-            ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+            _, ids = render_chat(tokenizer, [{"role": "user", "content": text}])
         else:
             ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         expected = rename(code, old, new)
