@@ -5,8 +5,8 @@ reference: paged attention (decode and prefill kernels) over bf16, fp16 and fp8 
 pools, block sizes 16 and 32, GQA groups 1 to 8 on head_dim 64 (SmolLM2's 9 query heads on 3
 KV heads among them), scattered blocks, mixed prefill / decode batches and a sliding window;
 the e4m3 byte-decoding path older GPUs take, forced; `write_kv`'s fp8 bytes against the CPU's;
-W4A16 in the GPTQ (with and without act-order) and AWQ layouts on SmolLM2's linear shapes;
-RMSNorm; and FP8 linears' native `_scaled_mm` path against its exact emulation.
+W4A16 in the GPTQ (with and without act-order) and AWQ layouts on SmolLM2's linear shapes; the
+decode step's fused elementwise kernels (residual add + RMSNorm, RoPE, SiLU-and-multiply); and FP8 linears' native `_scaled_mm` path against its exact emulation.
 
 `section_kernel_timings` times them (CUDA events, medians): decode attention over bf16 and
 fp8 pools as a share of the copy bandwidth, and bf16 / W4A16 / fp8 matmuls as shares of the
@@ -132,6 +132,38 @@ def check_paged_attention(run) -> None:
               ["q / pool", "block", "GQA group", "", "max |err|"], rows)
 
 
+def check_fused_step(run) -> None:
+    """The decode step's fused elementwise kernels (llmopt/kernels/fused_step.py) against their
+    references, on SmolLM2's and Llama-3.1-8B's widths in the run's bf16, a few rows and many."""
+    from llmopt.kernels import fused_step as fs
+    from llmopt.layers.rotary import RotaryEmbedding
+
+    dev, dtype, rows = run.device, run.bf16, []
+    g = torch.Generator(device=dev).manual_seed(0)
+    shapes = {"tiny": (64, 4, 2, 16, 96)} if run.dry_run else {
+        "SmolLM2": (576, 9, 3, 64, 1536), "Llama-3.1-8B": (4096, 32, 8, 128, 14336)}
+    for name, (hidden, hq, hk, d, inter) in shapes.items():
+        rope = RotaryEmbedding(d, 4096, 500000.0)
+        cos, sin = rope.cos.to(dev), rope.signed_sin.to(dev)
+        for T in (1, 3) if run.dry_run else (1, 8, 300):
+            x, r = (torch.randn(T, hidden, generator=g, device=dev).to(dtype) for _ in range(2))
+            w = torch.randn(hidden, generator=g, device=dev).to(dtype)
+            qkv = torch.randn(T, (hq + 2 * hk) * d, generator=g, device=dev).to(dtype)
+            q, k = qkv[:, :hq * d].view(T, hq, d), qkv[:, hq * d:(hq + hk) * d].view(T, hk, d)
+            pos = torch.randint(0, 4096, (T,), generator=g, device=dev)
+            gu = (3 * torch.randn(T, 2 * inter, generator=g, device=dev)).to(dtype)
+            pairs = [(fs.add_rms_norm(x, w, 1e-5, r), fs.add_rms_norm_ref(x, w, 1e-5, r)),
+                     (fs.rotary(pos, q, k, cos, sin), fs.rotary_ref(pos, q, k, cos, sin)),
+                     ((fs.silu_mul(gu),), (fs.silu_mul_ref(gu),))]
+            for kernel, (got, want) in zip(("add_rms_norm", "rotary", "silu_mul"), pairs):
+                err = max((a.float() - b.float()).abs().max().item() for a, b in zip(got, want))
+                ok = all(torch.allclose(a.float(), b.float(), atol=TOL[dtype], rtol=TOL[dtype]) for a, b in zip(got, want))
+                rows.append([kernel, name, T, f"{err:.1e}" if ok else "FAIL"])
+    run.check("fused step kernels equal their references", all(r[-1] != "FAIL" for r in rows), f"{len(rows)} cases")
+    run.table("The decode step's fused elementwise kernels against fused_step_ref", ["kernel", "widths", "rows",
+                                                                                    "max |err|"], rows)
+
+
 def check_write_kv(run) -> None:
     """An fp8 pool written on the device holds the CPU's bytes (clamp, round to nearest even)."""
     from llmopt.worker.kv_cache import write_kv
@@ -214,7 +246,7 @@ def check_fp8_linear(run) -> None:
 
 
 def section_kernels(run) -> None:
-    for check in (check_write_kv, check_w4a16, check_fp8_linear, check_paged_attention):
+    for check in (check_write_kv, check_fused_step, check_w4a16, check_fp8_linear, check_paged_attention):
         if run.has_time(3):
             check(run)
 

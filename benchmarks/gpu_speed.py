@@ -1,7 +1,9 @@
 """The speed sections of gpu_check.py: decode at batch 1 against the roofline, and speculation.
 
 - `decode-speed`: SmolLM2 in bf16 at batch 1, end to end (`LLM.generate` wall time for 256 tokens
-  after a 32-token prompt, warm, best of 3); then a Llama-3.1-8B shape with random weights
+  after a 32-token prompt, warm, best of 3), its step three ways side by side (STEP_VARIANTS: the
+  forward's graph alone, the whole step one graph with fused kernels, and that with the host
+  overlapped); then a Llama-3.1-8B shape with random weights
   (`load_format="dummy"`: real shapes, for speed only) in bf16: decode at batch 1 as bytes of
   weights and KV read per second against the bandwidth measured in `env`, and the prefill of 8
   prompts of 2,048 tokens as FLOP/s against the measured bf16 peak.
@@ -34,21 +36,59 @@ def best_wall(run, fn, repeats: int = 3) -> float:
     return min(run.wall(fn)[0] for _ in range(1 if run.dry_run else repeats))
 
 
+# SmolLM2's step three ways on one engine, each beside the others in the same run: the CUDA graph
+# of the forward alone with the sampler eager (the engine before the whole-step graph), the whole
+# step one graph (fused elementwise kernels, head and sampler inside), and that with the host a
+# step ahead (async_scheduling). On the CPU (the dry run) only the last two differ.
+STEP_VARIANTS = (("forward graph, eager sampler", dict(fused=False, whole=False, overlap=False)),
+                 ("whole-step graph, fused", dict(fused=True, whole=True, overlap=False)),
+                 ("whole-step graph, fused, host overlapped", dict(fused=True, whole=True, overlap=True)))
+
+
+def use_variant(llm, loop, fused: bool, whole: bool, overlap: bool) -> str:
+    """Set the engine's step to one of STEP_VARIANTS (`loop`: the engine's OverlapLoop, built with
+    async_scheduling=True); returns its decode path."""
+    from llmopt.worker.cuda_graphs import GraphedDecode
+
+    e = llm.llm_engine
+    if isinstance(e.runner.backend, GraphedDecode):  # fresh graphs for each variant
+        e.runner.backend = GraphedDecode(e.model, e.kv_cache, e.config.max_num_seqs,
+                                         -(-e.max_model_len // e.block_size), fused=fused)
+    e.runner.keep_hidden = not whole  # the runner's old path: the forward's graph, then logits and sampler
+    e.overlap = loop if overlap else None
+    b = e.runner.backend
+    return b.path + (" (fused)" if getattr(b, "fused", False) else "")
+
+
 def section_decode_speed(run) -> None:
     if not require_sane(run):
         return
     new, prompt_len = (8, 8) if run.dry_run else (256, 32)
-    llm = make_llm(run, run.model)
+    llm = make_llm(run, run.model, async_scheduling=True)
+    loop = llm.llm_engine.overlap
     prompt = run.refs["greedy"]["prompts"][0][:prompt_len]
     params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
-    seconds = best_wall(run, lambda: llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False))
-    tok_s = new / seconds
-    path = llm.llm_engine.decode_path
+    rows, tokens, by_step = [], {}, {}
+    for name, variant in STEP_VARIANTS:
+        path = use_variant(llm, loop, **variant)
+        out = []
+        seconds = best_wall(run, lambda: out.append(llm.generate([{"prompt_token_ids": prompt}], params,
+                                                                 use_tqdm=False)[0].outputs[0].token_ids))
+        tokens[name] = out[-1]
+        by_step[name] = new / seconds
+        rows.append([f"SmolLM2 bf16, batch 1, {name}: {new} tokens after a {prompt_len}-token prompt ({path})",
+                     f"{new / seconds:,.0f} tokens/s ({1e3 * seconds / new:.2f} ms a token)", "-"])
+    numbers = {"smollm2_bf16_batch1_tok_s": max(by_step.values()), "smollm2_batch1_tok_s_by_step": by_step}
+    base = STEP_VARIANTS[0][0]
+    others = [t for name, t in tokens.items() if name != base]
+    gaps = forced_gaps(llm, [prompt] * len(others), others)
+    gap = float(gaps.max()) if len(gaps) else 0.0
+    run.check(f"the fused, whole-step and overlapped steps' tokens within {MAX_GAP} nats of the best "
+              "(teacher-forced)", gap <= MAX_GAP,
+              f"largest gap {gap:.3f}; identical to the forward graph's: "
+              f"{sum(t == tokens[base] for t in tokens.values()) - 1}/{len(tokens) - 1}")
     llm = None  # the engine goes before the 8B shape's comes (free collects it)
     free()
-    rows = [[f"SmolLM2 bf16, batch 1: {new} tokens after a {prompt_len}-token prompt ({path})",
-             f"{tok_s:,.0f} tokens/s ({1e3 * seconds / new:.2f} ms a token)", "-"]]
-    numbers = {"smollm2_bf16_batch1_tok_s": tok_s}
     if run.has_time(10):
         shape = "tiny" if run.dry_run else "llama-3.1-8b"
         kw = {} if run.dry_run else {"gpu_memory_utilization": 0.6}  # 16 GB of bf16 weights

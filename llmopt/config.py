@@ -51,6 +51,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     enforce_eager: bool = False
+    async_scheduling: bool = False    # vLLM's: queue the next decode step before reading this one (SGLang's overlap)
     prefix_cache: str = "hash"        # "hash": vLLM's chained block hashes; "radix": SGLang's radix tree
     load_format: str = "auto"         # "dummy": the model's shape with random weights (speed only)
     # Not in vLLM's LLM signature but in its spirit: the CPU KV budget (vLLM reads the
@@ -91,7 +92,7 @@ class EngineConfig:
             if not 0 < self.cpu_kv_cache_space < float("inf"):
                 raise ValueError(f"cpu_kv_cache_space (GiB) must be a finite number > 0, got {self.cpu_kv_cache_space}")
         for name in ("enable_chunked_prefill", "enable_prefix_caching", "enforce_eager", "enable_trace",
-                     "calculate_kv_scales"):
+                     "calculate_kv_scales", "async_scheduling"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
@@ -177,6 +178,10 @@ class EngineConfig:
             elif "model" in sc and not (isinstance(sc["model"], str) and sc["model"]):
                 raise TypeError(f"speculative_config['model'] must be a model name or folder, "
                                 f"got {sc['model']!r}")
+        if self.async_scheduling and self.speculative_config is not None:
+            raise ValueError("async_scheduling=True queues a decode step before the last one is read; with "
+                             "speculative_config the next drafts need the verified tokens first, so the two "
+                             "are not allowed together")
         _int("seed", self.seed)
         if not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]:  # 2**70 failed in torch.manual_seed, after loading
             raise ValueError(f"seed must be in [-2**63, 2**64) (what torch.manual_seed takes), got {self.seed}")
@@ -185,6 +190,7 @@ class EngineConfig:
         if self.tensor_parallel_size * self.pipeline_parallel_size > 1:
             # what the parallel workers do not split (yet): refused here rather than run wrong
             refused = [(self.speculative_config is not None, "speculative_config"),
+                       (self.async_scheduling, "async_scheduling=True"),  # pipelining already overlaps steps
                        # the copy-on-write of partly matched blocks runs in this process's pool only
                        (self.prefix_cache == "radix", "prefix_cache='radix'"),
                        (self.kv_cache_dtype != "auto", f"kv_cache_dtype={self.kv_cache_dtype!r}"),

@@ -43,13 +43,15 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-parallel-size", type=int, default=1)
     g.add_argument("--enforce-eager", action="store_true")
+    g.add_argument("--async-scheduling", action="store_true",
+                   help="queue the next decode step before reading this one (SGLang's overlap scheduler)")
 
 
 ENGINE_FLAGS = ["model", "tokenizer", "dtype", "device", "block_size", "num_kv_blocks",
                 "gpu_memory_utilization", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
                 "enable_chunked_prefill", "enable_prefix_caching", "scheduling_policy", "prefix_cache",
                 "kv_cache_dtype", "calculate_kv_scales", "quantization", "load_format", "speculative_config", "seed",
-                "tensor_parallel_size", "pipeline_parallel_size", "enforce_eager"]
+                "tensor_parallel_size", "pipeline_parallel_size", "enforce_eager", "async_scheduling"]
 
 
 def engine_kwargs(args) -> dict:

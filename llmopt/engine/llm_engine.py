@@ -5,13 +5,12 @@
         for out in engine.step():        # one forward pass over the whole running batch
             print(out.request_id, out.outputs[0].text)
 
-`step()` = scheduler (who runs, how many tokens, who is preempted) -> model runner (one
-flat forward, sampling: the one seam between the engine and whatever runs the model, one
-process or many) -> bookkeeping (append tokens, stop checks, free finished requests'
-blocks, cache newly full blocks). Requests can be added or aborted between any two steps:
-that is continuous batching, and the server drives it the same way.
-A step that raises fails only the requests that fail on their own (finish_reason "error");
-the engine and every other request go on.
+`step()` = scheduler (who runs, how many tokens, who is preempted) -> model runner (one flat
+forward, sampling: the one seam between the engine and whatever runs the model) -> bookkeeping
+(append tokens, stop checks, free finished requests' blocks, cache newly full blocks); with
+async_scheduling the next decode step is queued before this one is read (engine/overlap.py).
+Requests can be added or aborted between any two steps: that is continuous batching. A step
+that raises fails only the requests that fail on their own; the others go on.
 """
 
 from __future__ import annotations
@@ -26,6 +25,7 @@ from llmopt.config import EngineConfig
 from llmopt.engine import stats
 from llmopt.engine.block_manager import BlockManager
 from llmopt.engine.kv_budget import HostMemoryRelease, check_kv_pool_fits, kv_blocks_from_budget
+from llmopt.engine.overlap import OverlapLoop
 from llmopt.engine.radix_cache import RadixCache
 from llmopt.engine.request_checks import ProcessedPrompt, check_priority, check_prompt, check_request
 from llmopt.engine.scheduler import Scheduler, SchedulerOutput
@@ -112,6 +112,9 @@ class LLMEngine:
             self.model, self.kv_cache, self.device, config.enforce_eager, self.executor is not None,
             config.max_num_seqs, -(-self.max_model_len // self.block_size), config.max_num_batched_tokens)
         self.decode_path = self.runner.backend.path
+        self.runner.keep_hidden = self.proposer is not None  # an EAGLE head reads every step's hidden states
+        self.overlap = (OverlapLoop(self, self._schedule, self._execute, self._process)  # the plain step's phases
+                        if config.async_scheduling else None)
         self.requests: dict[str, Sequence] = {}
         self.in_flight: deque[SchedulerOutput] = deque()  # pipelined steps submitted, oldest first
         # structured outputs: grammars compile in worker threads; bitmask, matchers, jump-forward
@@ -146,9 +149,8 @@ class LLMEngine:
         check_request(self, ids, params, index)
 
     def process_inputs(self, prompt, params: SamplingParams | None = None, index: int | str = 0) -> ProcessedPrompt:
-        """Check a prompt and its sampling parameters (ValueError naming what is wrong) and
-        tokenize it: what `add_request` admits without checking again. `LLM.generate` checks a
-        whole batch this way before admitting any of it."""
+        """Check a prompt and its sampling parameters (ValueError naming what is wrong) and tokenize
+        it: what `add_request` admits without checking again (LLM.generate checks a whole batch so)."""
         params = params or SamplingParams()
         text, ids = self.validate_prompt(prompt, index)
         self.validate_request(ids, params, index)
@@ -218,6 +220,8 @@ class LLMEngine:
         admitted = self._admit_constrained() if self.structured.pending else []
         if self.runner.max_in_flight > 1:  # pipeline parallelism: micro-batches in flight
             return admitted + self._pipelined_step()
+        if self.overlap is not None:  # async_scheduling: step n+1 queued before step n is read
+            return admitted + self.overlap.step()
         sched = self._schedule()
         sampled, errors = self._execute(sched.scheduled)
         return admitted + self._process(sched, sampled, errors)
@@ -244,14 +248,11 @@ class LLMEngine:
         return seq.to_output()
 
     def _pipelined_step(self) -> list[RequestOutput]:
-        """Several micro-batches in flight: how pipeline parallelism keeps every stage busy.
-
-        One step at a time would leave all stages but one idle, so up to `pp` steps are
-        submitted, each scheduled from the requests not already in one (the scheduler skips
-        those: a request needs its last token back before its next step); while stage 1 runs
-        micro-batch A, stage 0 runs B. vLLM gets the same effect from pipeline_parallel_size
-        virtual engines, each with its own scheduler; here one scheduler takes turns, so the KV
-        pool and the prefix cache stay shared. Outputs come in the order steps were scheduled."""
+        """Several micro-batches in flight: how pipeline parallelism keeps every stage busy. Up to
+        `pp` steps are submitted, each scheduled from the requests not already in one (a request
+        needs its last token back before its next step); while stage 1 runs micro-batch A, stage
+        0 runs B. vLLM runs pipeline_parallel_size virtual engines, each with its own scheduler;
+        here one scheduler takes turns, so the KV pool and the prefix cache stay shared."""
         while len(self.in_flight) < self.runner.max_in_flight:
             sched = self._schedule()
             if not sched.scheduled:
@@ -345,10 +346,9 @@ class LLMEngine:
     def _execute(self, scheduled) -> tuple[dict, dict[str, Exception]]:
         """The step's forward and sampling -> (request_id -> emitted tokens, request_id -> error).
 
-        If the batch raises, each request runs again alone (its KV slots are just written
-        again), so that only a request that fails by itself fails. A seeded request retried
-        this way may draw differently from a run without the failure: its generator may have
-        been used before the batch raised."""
+        If the batch raises, each request runs again alone (its KV slots are just written again),
+        so that only a request that fails by itself fails. A seeded request retried so may draw
+        differently: its generator may have been used before the batch raised."""
         if not scheduled:
             return {}, {}
         batches = [scheduled]

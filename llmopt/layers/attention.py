@@ -88,13 +88,21 @@ class AttentionMetadata:
         width = max(len(t) for t in tables)
         qsl = [0, *accumulate(query_lens)]
         return cls(
-            list(query_lens), list(context_lens), torch.tensor(positions, dtype=torch.long, device=device),
-            block_tables=tables, slot_mapping=torch.tensor(slots, device=device),
-            block_table_tensor=torch.tensor([t + [0] * (width - len(t)) for t in tables],
-                                            dtype=torch.int32, device=device),
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
-            seq_lens_tensor=torch.tensor([c + n for c, n in zip(context_lens, query_lens)],
-                                         dtype=torch.int32, device=device))
+            list(query_lens), list(context_lens), host_to_device(positions, torch.long, device),
+            block_tables=tables, slot_mapping=host_to_device(slots, torch.long, device),
+            block_table_tensor=host_to_device([t + [0] * (width - len(t)) for t in tables], torch.int32, device),
+            query_start_loc=host_to_device(qsl, torch.int32, device),
+            seq_lens_tensor=host_to_device([c + n for c, n in zip(context_lens, query_lens)], torch.int32, device))
+
+
+def host_to_device(values: list, dtype: torch.dtype, device) -> torch.Tensor:
+    """A Python list as a tensor on `device`. To a GPU it goes through pinned memory without
+    waiting: a copy from ordinary (pageable) memory waits for the GPU to finish all queued work,
+    and with the host preparing step n+1 while step n runs (llmopt/engine/overlap.py) that wait
+    would undo the overlap."""
+    if torch.device(device).type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype).pin_memory().to(device, non_blocking=True)
 
 
 def slots_of(table: list[int], positions, block_size: int) -> list[int]:

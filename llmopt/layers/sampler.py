@@ -53,15 +53,24 @@ def draw_tokens(probs: torch.Tensor, generators: list) -> torch.Tensor:
     probability passes u x the row's total (inverse-CDF sampling). A token of probability 0 is never
     drawn, and each row takes exactly one number from its own generator, so a seeded request draws
     the same tokens wherever it sits in the batch."""
-    dev, V = probs.device, probs.shape[-1]
-    u = torch.stack([torch.rand((), dtype=torch.float64, generator=g, device=dev) for g in generators])
-    cdf = probs.double().cumsum(-1)
-    return torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0].clamp_(max=V - 1)
+    return draw_from_uniforms(probs, uniforms(generators, probs.device))
+
+
+def uniforms(generators: list, device) -> torch.Tensor:
+    """One float64 uniform per generator (None: torch's global one), on `device`."""
+    return torch.stack([torch.rand((), dtype=torch.float64, generator=g, device=device) for g in generators])
 
 
 def draw_token(probs: torch.Tensor, generator=None) -> int:
     """`draw_tokens` for one distribution [V]."""
     return int(draw_tokens(probs[None], [generator])[0])
+
+
+def draw_from_uniforms(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """`draw_tokens` with each row's uniform u [n] (float64) already drawn: the form a recorded
+    step takes (llmopt/worker/cuda_graphs.py), whose draws are made before it replays."""
+    cdf = probs.double().cumsum(-1)
+    return torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0].clamp_(max=probs.shape[-1] - 1)
 
 
 def knobs(params: list, logits: torch.Tensor) -> tuple[torch.Tensor, ...]:

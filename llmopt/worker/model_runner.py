@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from llmopt.layers.attention import AttentionMetadata, slots_of
+from llmopt.layers.attention import AttentionMetadata, host_to_device, slots_of
 from llmopt.layers import sampler_cpu
 from llmopt.layers.sampler import hold_back_stop_tokens, top_logprobs
 from llmopt.sequence import Sequence
@@ -55,6 +55,13 @@ class StepBackend:
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.compute_logits(hidden)
 
+    def decode_tokens(self, input_ids: torch.Tensor, meta: AttentionMetadata, params: list,
+                      generators: list) -> torch.Tensor:
+        """A decode step that ends in its tokens: one new token per sequence in, each sequence's
+        next token out, drawn by `sampler` under params[i] with generators[i], as a tensor left
+        on the device (a backend may make the whole step one call: GraphedDecode)."""
+        return self.sampler.sample(self.compute_logits(self.forward(input_ids, meta)), params, generators)
+
 
 @dataclass
 class StepOutput:
@@ -68,6 +75,25 @@ class StepOutput:
     hidden: torch.Tensor | None = None
     slot_mapping: torch.Tensor | None = None
     slot_moves: tuple[list[int], list[int]] = ((), ())
+
+
+@dataclass
+class DeviceStep:
+    """A decode step launched with its tokens left where they were sampled (`tokens`, [B] on the
+    device), one row per sequence of `seqs`; `sampled()` reads them back as StepOutput.sampled
+    does. On a GPU their copy to `host` (pinned) is queued right behind the step, and `ready`
+    marks its end, so reading waits for this step only, not for one queued after it
+    (llmopt/engine/overlap.py queues the next first)."""
+
+    seqs: list[Sequence]
+    tokens: torch.Tensor
+    host: torch.Tensor
+    ready: object = None  # a torch.cuda.Event, or None where `host` is `tokens` (the CPU)
+
+    def sampled(self) -> dict[str, list[tuple]]:
+        if self.ready is not None:
+            self.ready.synchronize()
+        return {seq.request_id: [(t, None)] for seq, t in zip(self.seqs, self.host.tolist())}
 
 
 class ModelRunner:
@@ -87,6 +113,7 @@ class ModelRunner:
         self.model, self.kv_cache, self.block_size, self.device = model, kv_cache, block_size, device
         self.eos_token_ids = eos_token_ids  # held back until min_tokens, with stop_token_ids
         self.backend = StepBackend(model, kv_cache)  # the engine sets the one it chose (choose_step_backend)
+        self.keep_hidden = False  # True: every step returns its hidden states (an EAGLE head reads them)
 
     def step_inputs(self, scheduled: list[tuple[Sequence, int]], block_tables: dict[str, list[int]]):
         """The step as plain lists: new token ids (flat), each sequence's start position,
@@ -110,10 +137,48 @@ class ModelRunner:
             add_tree_layout(meta, trees)
         return torch.tensor(ids, device=self.device), meta
 
+    def decodes_on_device(self, scheduled: list[tuple[Sequence, int]]) -> bool:
+        """Whether the step is one `launch` can run: every sequence decodes one token and samples
+        it plainly (no drafts, grammar, log-probabilities or min_tokens to hold stop tokens for),
+        and nothing asks for the step's hidden states (`keep_hidden`: an EAGLE head does)."""
+        return not self.keep_hidden and bool(scheduled) and all(
+            n == 1 and seq.num_computed_tokens + 1 == seq.num_tokens and not seq.spec_token_ids
+            and seq.spec_tree is None and seq.grammar is None and seq.params.logprobs is None
+            and seq.params.min_tokens <= len(seq.output_token_ids) for seq, n in scheduled)
+
+    @torch.inference_mode()
+    def launch(self, seqs: list[Sequence], block_tables: dict[str, list[int]],
+               after: DeviceStep | None = None) -> DeviceStep:
+        """Queue a decode step of `seqs` (`decodes_on_device`) and return without reading its
+        tokens. Each sequence's input is its last token; with `after`, the token `after` sampled
+        for it, still on the device and not yet in the sequence: this step is queued behind that
+        one before the host has seen its result (the overlap, llmopt/engine/overlap.py)."""
+        if after is None:
+            starts = [seq.num_tokens - 1 for seq in seqs]
+            input_ids = host_to_device([seq.token_ids[-1] for seq in seqs], torch.long, self.device)
+        else:
+            starts = [seq.num_tokens for seq in seqs]
+            row = {seq.request_id: i for i, seq in enumerate(after.seqs)}
+            index = [row[seq.request_id] for seq in seqs]
+            input_ids = after.tokens if index == list(range(len(after.seqs))) else \
+                after.tokens[host_to_device(index, torch.long, self.device)]
+        meta = AttentionMetadata.paged([block_tables[seq.request_id] for seq in seqs], starts, [1] * len(seqs),
+                                       self.block_size, self.device, self.slots_of)
+        tokens = self.backend.decode_tokens(input_ids, meta, [s.params for s in seqs], [s.generator for s in seqs])
+        if not tokens.is_cuda:
+            return DeviceStep(seqs, tokens, tokens)
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)  # queued behind the step; `ready` marks its end
+        ready = torch.cuda.Event()
+        ready.record()
+        return DeviceStep(seqs, tokens, host, ready)
+
     @torch.inference_mode()
     def execute(self, scheduled: list[tuple[Sequence, int]], block_tables: dict[str, list[int]],
                 grammar_bitmask=None) -> StepOutput:
         """Run one step (see StepOutput)."""
+        if grammar_bitmask is None and self.decodes_on_device(scheduled):
+            return StepOutput(self.launch([seq for seq, _ in scheduled], block_tables).sampled())
         input_ids, meta = self.prepare(scheduled, block_tables)
         hidden = self.backend.forward(input_ids, meta)
         out = StepOutput({}, hidden, meta.slot_mapping, ([], []))
