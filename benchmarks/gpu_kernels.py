@@ -9,8 +9,9 @@ W4A16 in the GPTQ (with and without act-order) and AWQ layouts on SmolLM2's line
 decode step's fused elementwise kernels (residual add + RMSNorm, RoPE, SiLU-and-multiply); and FP8 linears' native `_scaled_mm` path against its exact emulation.
 
 `section_kernel_timings` times them (CUDA events, medians): decode attention over bf16 and
-fp8 pools as a share of the copy bandwidth, and bf16 / W4A16 / fp8 matmuls as shares of the
-bf16 matmul rate and the bandwidth. In the dry run each is called once and not timed.
+fp8 pools as a share of the copy bandwidth (and, at an 8B layer's 64 x 2,048, with 16 to 128
+keys a tile), and bf16 / W4A16 (tinygemm and Triton) / FP8 (W8A16 and W8A8) matmuls as shares of
+the bf16 matmul rate and the bandwidth. In the dry run each is called once and not timed.
 """
 
 from __future__ import annotations
@@ -243,6 +244,26 @@ def check_fp8_linear(run) -> None:
                   "full precision", rel < 1e-2 and rel_full < 0.1, f"{rel:.1e} / {rel_full:.1e}")
     if not native:
         run.note("native FP8 matmul needs CUDA with compute capability >= 8.9; this run checked the emulation")
+    check_fp8_weight_only(run)
+
+
+def check_fp8_weight_only(run) -> None:
+    """The W8A16 Triton kernel (decode batch sizes) against its reference, split-K as chosen and none."""
+    from llmopt.fp8.format import per_channel_scale, quantize_fp8
+    from llmopt.kernels.fp8_matmul import fp8_weight_matmul, fp8_weight_matmul_ref
+
+    worst = 0.0
+    for K, N in (TINY_LINEARS if run.dry_run else {**SMOLLM2_LINEARS, "8B": (4096, 14336)}).values():
+        w = torch.randn(N, K, generator=torch.Generator().manual_seed(N)).to(run.device) * 0.02
+        ws = per_channel_scale(w)
+        wq = quantize_fp8(w, ws)
+        for M in (1, 16):
+            x = torch.randn(M, K, generator=torch.Generator().manual_seed(M)).to(run.device, run.bf16)
+            want = fp8_weight_matmul_ref(x, wq, ws).float()
+            for split in (None, 1):
+                got = fp8_weight_matmul(x, wq, ws, split=split).float()
+                worst = max(worst, ((got - want).norm() / want.norm()).item())
+    run.check("FP8 W8A16 kernel equals its reference (relative error < 1e-2)", worst < 1e-2, f"worst {worst:.1e}")
 
 
 def section_kernels(run) -> None:
@@ -284,9 +305,13 @@ def section_kernel_timings(run) -> None:
             rows.append([label, batch, ctx, fmt(t16), fmt(t8), fmt(gbs16, "{:.0f}"), fmt(gbs8, "{:.0f}"),
                          fmt(None if gbs16 is None else 100 * gbs16 / bw, "{:.0f}%"),
                          fmt(None if t8 is None else t16 / t8, "{:.2f}x")])
-    run.table("Paged decode attention (block 16): KV bytes read per second, as a share of the copy bandwidth",
+            if (label, batch, ctx) == ("8B 8x128 g4", 64, 2048) and t16 and t8:
+                run.section.numbers["fp8kv_attention_speedup_8b_64x2048"] = t16 / t8
+    run.table(f"Paged decode attention (block 16, {pa.DECODE_KEYS_PER_TILE} keys a tile): KV bytes read per "
+              "second, as a share of the copy bandwidth",
               ["heads", "batch", "context", "bf16 pool ms", "fp8 pool ms", "GB/s bf16", "GB/s fp8",
                "bf16 share of bandwidth", "fp8 speedup"], rows)
+    attention_tiles(run, fmt)
 
     # matmuls: bf16 dense, W4A16 (weights a quarter of bf16's bytes), fp8 (native where there is one)
     native = native_fp8_supported(run.device)
@@ -301,39 +326,76 @@ def section_kernel_timings(run) -> None:
             rows.append(time_matmul(run, m, k, n, native, fmt))
         except Exception as e:  # noqa: BLE001 - one shape's failure is a row, not the end of the table
             run.check(f"matmul timings {m} x {k} @ {k} x {n}", False, f"{type(e).__name__}: {e}")
-    run.table("Matmuls: bf16 (torch), W4A16 (Triton, group 64), fp8 (`_scaled_mm`, operands already quantized)",
-              ["shape", "bf16 ms", "W4A16 ms", "fp8 ms", "bf16 TFLOP/s", "share of bf16 peak",
-               "bf16 share of bandwidth", "W4A16 speedup", "fp8 speedup"], rows)
+    run.table("Matmuls: bf16 (torch); W4A16, group 64, through tinygemm and the Triton kernel; FP8 weights "
+              "through the W8A16 Triton kernel and W8A8 `_scaled_mm` (activations rounded in the call)",
+              ["shape", "bf16 ms", "W4A16 tinygemm ms", "W4A16 Triton ms", "fp8 W8A16 ms", "fp8 W8A8 ms",
+               "bf16 TFLOP/s", "share of bf16 peak", "bf16 share of bandwidth", "W4A16 speedup (best)",
+               "fp8 speedup (best)"], rows)
     run.check("every matmul shape ran", len(rows) == len(dict.fromkeys(shapes)),
               f"{len(rows)} of {len(dict.fromkeys(shapes))} shapes" + (" (each call made once, not timed, in the dry run)"
                                                                        if run.dry_run else ""))
 
 
+def attention_tiles(run, fmt) -> None:
+    """Decode attention over an 8B layer's heads at 64 x 2,048 with 16 to 128 keys a tile, both pools:
+    the data behind DECODE_KEYS_PER_TILE."""
+    from llmopt.kernels import paged_attention as pa
+
+    rows, (batch, ctx) = [], ((2, 32) if run.dry_run else (64, 2048))
+    pools = {name: paged_batch(run, [ctx] * batch, [1] * batch, num_kv_heads=8, group=4, head_dim=128,
+                               block_size=16, dtype=run.bf16, cache_dtype=cache)
+             for name, cache in (("bf16", run.bf16), ("fp8", torch.float8_e4m3fn))}
+    for tile in (16, 32, 64, 128):
+        if not run.has_time(2):
+            break
+        t = {name: run.timed(lambda b=b: pa.paged_attention_decode(
+            b["q"], b["k_cache"], b["v_cache"], b["block_tables"], b["seq_lens"], b["scale"],
+            k_scale=b["k_scale"], v_scale=b["v_scale"], keys_per_tile=tile)) for name, b in pools.items()}
+        rows.append([tile, fmt(t["bf16"]), fmt(t["fp8"]),
+                     fmt(None if not (t["bf16"] and t["fp8"]) else t["bf16"] / t["fp8"], "{:.2f}x")])
+    del pools
+    run.table(f"Decode attention, 8B heads (8 x 128, group 4), {batch} x {ctx:,} tokens: keys a tile",
+              ["keys a tile", "bf16 pool ms", "fp8 pool ms", "fp8 speedup"], rows)
+
+
 def time_matmul(run, m, k, n, native, fmt) -> list:
+    """One shape: bf16 (torch), W4A16 through tinygemm and through the Triton kernel (split-K as the
+    engine chooses), FP8 weight-only (Triton W8A16) and W8A8 (`_scaled_mm`, the activations'
+    rounding included); the speedups are the best of each width against bf16."""
     from llmopt.fp8.format import per_channel_scale, per_token_scale, quantize_fp8
+    from llmopt.kernels.fp8_matmul import fp8_weight_matmul
     from llmopt.kernels.quant_matmul import w4a16_matmul
+    from llmopt.layers.quant.cuda_int4 import CudaInt4Weight, tinygemm_fits
     from llmopt.layers.quant.gptq import to_gptq
 
     bw, peak = run.ceilings["bandwidth_GBps"], run.ceilings["bf16_TFLOPs"]
     x = torch.randn(m, k, device=run.device).to(run.bf16)
     w = (torch.randn(n, k, device=run.device) * 0.02).to(run.bf16)
     t_bf16 = run.timed(lambda: x @ w.t())
-    t4 = to_gptq(random_int4(k, n, 64, False))
-    t4 = {key: v.to(run.device) for key, v in t4.items()}
+    q4 = random_int4(k, n, 64, False)
+    t4 = {key: v.to(run.device) for key, v in to_gptq(q4).items()}
     t_w4 = run.timed(lambda: w4a16_matmul(x, t4["qweight"], t4["qzeros"], t4["scales"], None, 64, "gptq"))
+    t_tiny = None
+    if tinygemm_fits(n, k, 64, x.dtype, run.device) is None:
+        tiny = CudaInt4Weight.from_affine(q4.qweight.to(run.device), q4.scales.to(run.device), q4.zeros.to(run.device))
+        t_tiny = run.timed(lambda: tiny.matmul(x))
+    ws = per_channel_scale(w)
+    wq = quantize_fp8(w, ws)
+    t_w8 = run.timed(lambda: fp8_weight_matmul(x, wq, ws))
     t_fp8 = None
     if native:
-        ws = per_channel_scale(w)
-        wq = quantize_fp8(w, ws)
-        s = per_token_scale(x)
-        xq = quantize_fp8(x, s)
-        t_fp8 = run.timed(lambda: torch._scaled_mm(xq, wq.t(), scale_a=s.expand(m, 1).contiguous(),
-                                                   scale_b=ws.t().contiguous(), out_dtype=torch.bfloat16))
+        def w8a8():
+            s = per_token_scale(x)
+            return torch._scaled_mm(quantize_fp8(x, s), wq.t(), scale_a=s.expand(m, 1).contiguous(),
+                                    scale_b=ws.t().contiguous(), out_dtype=torch.bfloat16)
+        t_fp8 = run.timed(w8a8)
     flops, wbytes = 2 * m * k * n, 2 * k * n
     tflops = None if t_bf16 is None else flops / t_bf16 / 1e9
     gbs = None if t_bf16 is None else (wbytes + 2 * m * (k + n)) / t_bf16 / 1e6
-    return [f"{m} x {k} @ {k} x {n}", fmt(t_bf16), fmt(t_w4), fmt(t_fp8),
+    best = lambda *ts: min((t for t in ts if t), default=None)  # noqa: E731
+    b4, b8 = best(t_w4, t_tiny), best(t_w8, t_fp8)
+    return [f"{m} x {k} @ {k} x {n}", fmt(t_bf16), fmt(t_tiny), fmt(t_w4), fmt(t_w8), fmt(t_fp8),
             fmt(tflops, "{:.1f}"), fmt(None if tflops is None else 100 * tflops / peak, "{:.1f}%"),
             fmt(None if gbs is None else 100 * gbs / bw, "{:.0f}%"),
-            fmt(None if t_w4 is None else t_bf16 / t_w4, "{:.2f}x"),
-            fmt(None if t_fp8 is None else t_bf16 / t_fp8, "{:.2f}x")]
+            fmt(None if not (b4 and t_bf16) else t_bf16 / b4, "{:.2f}x"),
+            fmt(None if not (b8 and t_bf16) else t_bf16 / b8, "{:.2f}x")]

@@ -14,6 +14,9 @@
   bf16 verification of k + 1 tokens may round a near-tie the other way, a wrong one picks
   tokens nats below).
 
+- `quant-speed`: decode with W4A16 (RTN weights, tinygemm on CUDA) and FP8 weights against bf16,
+  each engine alone: the Llama-3.1-8B shape at batch 1, SmolLM2 at 1 and 64 sequences.
+
 Their figures feed the report's `summary` block (gpu_check.py). Each runs only on a model that
 passed `smollm2-sanity`. In the dry run the bundled models stand in (tiny for SmolLM2 and, with
 random weights, for the 8B shape), with short requests; its timings are the CPU's and mean nothing.
@@ -168,5 +171,80 @@ def section_speculation(run) -> None:
               ["method, workload", "requests", "tokens", "plain tokens/s", "speculative tokens/s", "speedup",
                "identical to plain (sequences, prefix)"], rows)
     run.check("both workloads measured", len(rows) == len(workloads), f"{len(rows)} of {len(workloads)}")
+    if run.dry_run:
+        run.note("timed on the CPU in the dry run: not a measurement")
+
+
+# -- quantized decoding against bf16 (lessons 06 and 07 on a GPU) -----------------------------------------------
+def rtn_w4a16(model, group_size: int = 128) -> None:
+    """Every quantizable linear of `model` replaced, on its device, by RTN 4-bit weights with zero
+    points in the GPTQ layout: the W4A16 engine of a shape with random weights (speed only; a trained
+    model's W4A16 quality is smollm2-quality's)."""
+    from llmopt.layers.quant.gptq import GPTQLinear, to_gptq
+    from llmopt.quant.rtn import rtn_quantize
+
+    for name in model.quantizable_linears():
+        dense = model.get_submodule(name)
+        layer = GPTQLinear(dense.in_features, dense.out_features, 4, group_size, dense.bias is not None,
+                           dense.weight.dtype).to(dense.weight.device)
+        tensors = to_gptq(rtn_quantize(dense.weight.data, 4, group_size, sym=False, min_zero=1))
+        if dense.bias is not None:
+            tensors["bias"] = dense.bias.data
+        for key, t in tensors.items():
+            layer.load_checkpoint_tensor(key, t, None, f"{name}.{key}")
+        layer.after_loading(name)
+        model.set_submodule(name, layer)
+        del dense
+
+
+QUANT_CONFIGS = {"bf16": {}, "W4A16 (RTN g128)": {"w4a16": True}, "FP8 weights": {"quantization": "fp8"}}
+
+
+def quant_decode(run, model, batch: int, prompt_len: int, new: int, **kw) -> dict[str, dict]:
+    """decode_and_prefill of `model` in each of QUANT_CONFIGS, one engine at a time."""
+    out = {}
+    for name, config in QUANT_CONFIGS.items():
+        if not run.has_time(8):
+            break
+        config = dict(config)
+        w4a16 = config.pop("w4a16", False)
+        llm = make_llm(run, model, **kw, **config)
+        if w4a16:
+            rtn_w4a16(llm.llm_engine.model)
+        out[name] = decode_and_prefill(run, llm, batch, prompt_len, new)
+        if w4a16 and run.device == "cuda":  # which kernel ran: tinygemm, or the Triton kernel and why
+            why = {m.why_not_tinygemm for m in llm.llm_engine.model.modules() if hasattr(m, "why_not_tinygemm")}
+            run.check(f"{model} W4A16 ran through tinygemm", why == {None}, "; ".join(map(str, why - {None})))
+        del llm
+        free()
+    return out
+
+
+def section_quant_speed(run) -> None:
+    if not require_sane(run):
+        return
+    rows, numbers, records = [], {}, []
+    shape, kw = ("tiny", {}) if run.dry_run else ("llama-3.1-8b", {"gpu_memory_utilization": 0.6})
+    runs = {(f"{shape} shape (random weights)", 1): quant_decode(run, shape, 1, *((8, 4) if run.dry_run else (32, 64)),
+                                                                 load_format="dummy", **kw)}
+    for batch in (1, 64):
+        runs[("SmolLM2", batch)] = quant_decode(run, run.model, batch, *((8, 4) if run.dry_run else (32, 64)))
+    for (model, batch), by in runs.items():
+        base = by.get("bf16")
+        for name, d in by.items():
+            ratio = None if base is None else d["decode_tokens_per_s"] / base["decode_tokens_per_s"]
+            rows.append([model, batch, name, f"{d['weight_bytes'] / 1e9:.2f}", f"{d['decode_tokens_per_s']:,.0f}",
+                         f"{d['decode_GBps']:.0f}", "-" if ratio is None else f"{ratio:.2f}x"])
+            records.append({"model": model, "sequences": batch, "weights": name, "weight_bytes": d["weight_bytes"],
+                            "decode_tokens_per_s": d["decode_tokens_per_s"], "vs_bf16": ratio})
+            key = {"W4A16 (RTN g128)": "w4a16", "FP8 weights": "fp8w"}.get(name)
+            if key and ratio is not None:
+                numbers[f"{key}_vs_bf16_batch{batch}_{'8b' if model != 'SmolLM2' else 'smollm2'}"] = ratio
+    run.section.numbers.update(numbers, rows=records)  # rows: what lessons 06 and 07 print (gpu_quant_speed)
+    run.table("Decode with quantized weights against bf16 (each engine alone; weights + KV bytes per second)",
+              ["model", "sequences", "weights", "GB of weights", "decode tokens/s", "GB/s", "vs bf16"], rows)
+    smollm2 = [v for k, v in numbers.items() if k.endswith("smollm2")]
+    run.check("SmolLM2 W4A16 and FP8 measured at 1 and 64 sequences", len(smollm2) == 4,
+              ", ".join(f"{k} {v:.2f}" for k, v in numbers.items()))
     if run.dry_run:
         run.note("timed on the CPU in the dry run: not a measurement")

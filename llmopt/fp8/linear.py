@@ -7,6 +7,13 @@ from the checkpoint (W8A8). Elsewhere nothing multiplies fp8: the weights are wi
 activations' dtype and multiplied there (W8A16, as vLLM's FP8 Marlin kernel runs on older GPUs).
 `quantize_activations = True` emulates W8A8 there in fp32 (products of fp8 values are exact in
 fp32): what lesson 07 and the precision table measure beside weight-only.
+
+At decode batch sizes (at most FP8_WEIGHT_ONLY_ROWS rows) a GPU runs weight-only even where FP8
+units multiply: a product of a few rows costs its weights' bytes, and the W8A16 Triton kernel
+(llmopt/kernels/fp8_matmul.py) reads the fp8 bytes and widens them in registers, where W8A8 first
+rounds the activations (two more kernels) and runs a GEMM tiled for large products. So on such a
+GPU a sequence's numbers depend on how many rows its step holds (W8A16 at a few, W8A8 above), as
+they do in vLLM's FP8 paths; `quantize_activations = True` or False fixes one path for every size.
 """
 
 from __future__ import annotations
@@ -16,7 +23,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmopt.fp8.format import native_fp8_supported, per_channel_scale, per_token_scale, quantize_fp8
+from llmopt.kernels import HAS_TRITON
+from llmopt.kernels.fp8_matmul import fp8_weight_matmul
 from llmopt.layers.quant.linear import QuantLinear, empty_param
+
+
+FP8_WEIGHT_ONLY_ROWS = 16
 
 
 class Fp8Linear(QuantLinear):
@@ -77,7 +89,8 @@ class Fp8Linear(QuantLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
         native = native_fp8_supported(x.device) and self.in_features % 16 == 0 and self.out_features % 16 == 0
-        if not (native if self.quantize_activations is None else self.quantize_activations):
+        w8a8 = native and x2.shape[0] > FP8_WEIGHT_ONLY_ROWS  # (the module's note)
+        if not (w8a8 if self.quantize_activations is None else self.quantize_activations):
             out = self._weight_only(x2)
         else:
             # activation scales: per token, computed now ("dynamic"), or one stored number ("static")
@@ -91,6 +104,8 @@ class Fp8Linear(QuantLinear):
         """W8A16. On a GPU the weights are widened to x's dtype as they are used (16 bits; a kept fp32
         copy would take 4x the fp8 bytes); on a CPU, or `exact`, in fp32: x . (q s) = (x . q) s."""
         if x2.is_cuda and not exact:
+            if HAS_TRITON and x2.shape[0] <= FP8_WEIGHT_ONLY_ROWS:  # the fp8 bytes, widened in registers
+                return fp8_weight_matmul(x2, self.weight, self.weight_scale, out_dtype=torch.float32)
             return F.linear(x2, self.dequantize(x2.dtype)).float()
         self._w32 = self.weight.float() if self._w32 is None else self._w32
         return (x2.float() @ self._w32.t()) * self.weight_scale.t()

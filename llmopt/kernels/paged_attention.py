@@ -46,6 +46,12 @@ SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
 MIN_DOT = 16
 # "No sliding window" is a window longer than any sequence: one code path for both.
 NO_WINDOW = 1 << 30
+# Keys a decode program takes per step of its loop, whatever the block size (a tile may span
+# several blocks: each key looks up its own). At 16 keys (one block) a program over a long
+# context makes 128 small trips to memory for 2,048 keys, each waiting on the last; larger tiles
+# put more bytes in flight per trip, which is what lets an fp8 pool's half-size tiles read in
+# about half the time. benchmarks/gpu_kernels.py times 16 to 128 on the GPU beside this default.
+DECODE_KEYS_PER_TILE = 64
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
@@ -273,13 +279,17 @@ def _kv_operands(k_cache: torch.Tensor, v_cache: torch.Tensor):
 def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            sliding_window: int | None = None,
-                           k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+                           k_scale: float = 1.0, v_scale: float = 1.0,
+                           keys_per_tile: int = DECODE_KEYS_PER_TILE) -> torch.Tensor:
     """One new token per sequence: q [num_seqs, num_heads, head_dim], its key already cached.
 
-    One program per (sequence, kv head) walks the sequence's blocks in order.
+    One program per (sequence, kv head) walks the sequence's keys in order, `keys_per_tile` (a
+    power of two; at least one block) at a time.
     """
     queries_per_kv, block_n, window, precision = _check_and_tile(q, k_cache, v_cache,
                                                                  sliding_window)
+    assert keys_per_tile >= MIN_DOT and keys_per_tile & (keys_per_tile - 1) == 0, "keys_per_tile: a power of two >= 16"
+    block_n = max(block_n, keys_per_tile)
     k_scale, v_scale = _check_scales(k_scale, v_scale)
     q = q.contiguous()
     out = torch.empty_like(q)

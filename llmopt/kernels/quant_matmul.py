@@ -28,7 +28,10 @@ dequantize-then-matmul. The Triton kernel `w4a16_matmul` computes the same thing
 tile without ever writing W out: each program loads a [BLOCK_K, BLOCK_N] tile of packed
 words, shifts and masks the nibbles out, looks up each row's group scale and zero, and
 feeds the dequantized tile to `tl.dot`. Memory traffic for the weights is a quarter of
-fp16's, which is what makes decoding (memory-bound) faster on a GPU.
+fp16's, which is what makes decoding (memory-bound) faster on a GPU. At decode batch sizes the
+inputs are split among programs too (split-K), so that a one-row product keeps the GPU busy.
+The engine keeps this kernel for the lesson and for what tinygemm cannot run
+(llmopt/layers/quant/cuda_int4.py); the benchmarks time the two side by side.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from __future__ import annotations
 import torch
 
 from llmopt.kernels import HAS_TRITON
+from llmopt.kernels.split_k import k_per_split, reduce_partials, split_k
 
 # nibble i of an AWQ word holds column AWQ_PACK_ORDER[i] of its 8 columns
 AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
@@ -109,11 +113,13 @@ if HAS_TRITON:
     def _w4a16_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, gidx_ptr, bias_ptr, out_ptr,
                       M, N, K, group_size,
                       stride_xm, stride_xk, stride_qw0, stride_qw1, stride_qz0, stride_qz1,
-                      stride_s0, stride_s1, stride_om, stride_on,
+                      stride_s0, stride_s1, stride_om, stride_on, k_split,
                       AWQ: tl.constexpr, HAS_GIDX: tl.constexpr, HAS_BIAS: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       IEEE: tl.constexpr):
-        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+        # program (m tile, n tile, slice of K): split into several slices, each writes its float32
+        # partial sum to out[slice] ([slices, M, N]); llmopt/kernels/split_k.py adds them up
+        pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_m, mask_n = offs_m < M, offs_n < N
@@ -125,7 +131,7 @@ if HAS_TRITON:
             shift_n = (offs_n % 8) * 4  # qzeros packs columns in plain order
             zero_offset = 1             # v1 stores zero - 1
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        for k0 in range(pid_k * k_split, tl.minimum(K, (pid_k + 1) * k_split), BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             mask_k = offs_k < K
             x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk,
@@ -155,32 +161,37 @@ if HAS_TRITON:
                 acc += tl.dot(x, w)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        out_ptr += pid_k * M * N  # (0 without a split)
         tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on,
                  acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
 def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
                  g_idx: torch.Tensor | None, group_size: int, layout: str = "gptq",
-                 bias: torch.Tensor | None = None) -> torch.Tensor:
+                 bias: torch.Tensor | None = None, split: int | None = None) -> torch.Tensor:
     """x [M, K] @ W (+ bias) with W packed in the GPTQ or AWQ 4-bit layout; out [M, N] in x's dtype.
 
-    `g_idx` (GPTQ only) gives each input row's group; None means k // group_size.
+    `g_idx` (GPTQ only) gives each input row's group; None means k // group_size. `split`: slices
+    of K (llmopt/kernels/split_k.py; None: as many as a decode-sized M needs to fill the GPU).
     """
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     M, K = x.shape
     N = qweight.shape[1] if layout == "gptq" else qweight.shape[1] * 8
-    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     # tl.dot needs every dimension >= 16; small M (decode) is masked inside a 16-row tile
     BLOCK_M = 16 if M <= 16 else 32 if M <= 32 else 64
     BLOCK_N, BLOCK_K = 64, 32
+    split = split_k(M, N, K, BLOCK_N, BLOCK_K, x.device) if split is None else split
+    per_split = k_per_split(K, split, BLOCK_K)
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device) if split == 1 else \
+        torch.empty(split, M, N, dtype=torch.float32, device=x.device)
     has_gidx = layout == "gptq" and g_idx is not None
-    grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(N, BLOCK_N))
+    grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(N, BLOCK_N), split)
     _w4a16_kernel[grid](
         x, qweight, qzeros, scales, g_idx if has_gidx else qweight, bias if bias is not None else x, out,
         M, N, K, group_size,
         x.stride(0), x.stride(1), qweight.stride(0), qweight.stride(1), qzeros.stride(0), qzeros.stride(1),
-        scales.stride(0), scales.stride(1), out.stride(0), out.stride(1),
-        AWQ=layout == "awq", HAS_GIDX=has_gidx, HAS_BIAS=bias is not None,
+        scales.stride(0), scales.stride(1), out.stride(-2), out.stride(-1), per_split,
+        AWQ=layout == "awq", HAS_GIDX=has_gidx, HAS_BIAS=bias is not None and split == 1,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, IEEE=x.dtype == torch.float32)
-    return out
+    return out if split == 1 else reduce_partials(out, x.dtype, bias=bias)

@@ -111,6 +111,52 @@ def gpu_report(path: Path | None = None) -> tuple[dict | None, str]:
                     "checked against the CPU's references")
 
 
+def _section_rows(path: Path | None, name: str, what: str) -> tuple[list[dict] | None, str]:
+    """(the rows of section `name` of the committed GPU report, the device's name), or (None, why
+    not): the report must count (`gpu_report`) and the section have passed."""
+    report, why = gpu_report(path)
+    if report is None:
+        return None, why
+    failed = _section_failed(report, name, what)
+    if failed:
+        return None, failed
+    section = next(s for s in report["sections"] if s.get("name") == name)
+    rows = (section.get("numbers") or {}).get("rows")
+    if not rows:
+        return None, f"{what} has no rows"
+    return rows, report.get("device_name", "a GPU")
+
+
+def gpu_quant_speed(path: Path | None = None) -> tuple[list[dict] | None, str]:
+    """(the GPU's decode speeds with quantized weights, a sentence naming the device), or (None, why not).
+
+    Each row (benchmarks/gpu_check.py's quant-speed section): model (the 8B shape with random
+    weights, or SmolLM2), sequences, weights ("bf16", "W4A16 (RTN g128)", "FP8 weights"),
+    weight_bytes, decode_tokens_per_s, vs_bf16. They count where the report does (`gpu_report`)
+    and its quant-speed section's status is "ok"."""
+    rows, device = _section_rows(path, "quant-speed", "its quantized decode speed section")
+    if rows is None:
+        return None, device
+    return rows, f"measured on {device} by benchmarks/gpu_check.py, each engine alone"
+
+
+def gpu_speed_table(weights: str, path: Path | None = None) -> str:
+    """What lessons 06 and 07 print: the GPU's decode speeds of bf16 and `weights` ("W4A16" or "FP8")
+    side by side with the device named, or why no such table counts yet."""
+    from llmopt.viz.notebook import format_table
+
+    rows, why = gpu_quant_speed(path)
+    if not rows:
+        return (f"no GPU speed table counts yet (benchmarks/results/gpu_check.json: {why}).\n"
+                "`python benchmarks/gpu_check.py` on a GPU makes one (benchmarks/README.md, \"On a GPU\").")
+    table = format_table([{
+        "model": r["model"], "sequences": r["sequences"], "weights": r["weights"],
+        "GB of weights": r["weight_bytes"] / 1e9, "decode tokens/s": r["decode_tokens_per_s"],
+        "vs bf16": "-" if r["vs_bf16"] is None else f"{r['vs_bf16']:.2f}x"}
+        for r in rows if r["weights"] == "bf16" or r["weights"].startswith(weights)])
+    return f"{table}\n\n{why}"
+
+
 def gpu_quality(path: Path | None = None) -> tuple[list[dict] | None, str]:
     """(the GPU's SmolLM2 quality rows, a sentence naming the device), or (None, why not).
 
@@ -120,15 +166,8 @@ def gpu_quality(path: Path | None = None) -> tuple[list[dict] | None, str]:
     vs_bf16 (perplexity / other's - 1), greedy_vs_bf16 {identical, of, prefix_share}, kv_blocks,
     kv_blocks_vs_bf16. The rows count where the report does (`gpu_report`) and its
     smollm2-quality section's status is "ok"."""
-    report, why = gpu_report(path)
-    if report is None:
-        return None, why
-    failed = _section_failed(report, "smollm2-quality", "its SmolLM2 quality section")
-    if failed:
-        return None, failed
-    quality = next(s for s in report["sections"] if s.get("name") == "smollm2-quality")
-    rows = (quality.get("numbers") or {}).get("rows")
-    if not rows:
-        return None, "its SmolLM2 quality section has no rows"
-    return rows, (f"measured on {report.get('device_name', 'a GPU')} by benchmarks/gpu_check.py, each row "
+    rows, device = _section_rows(path, "smollm2-quality", "its SmolLM2 quality section")
+    if rows is None:
+        return None, device
+    return rows, (f"measured on {device} by benchmarks/gpu_check.py, each row "
                   "checked against the CPU's same configuration")

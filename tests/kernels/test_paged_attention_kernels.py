@@ -140,6 +140,19 @@ def test_decode_kernel_equals_reference(block_size, group, head_dim, dtype):
     assert_close(decode(b), reference(b), dtype)
 
 
+@needs_triton
+@pytest.mark.parametrize("keys_per_tile", [16, 32, 64, 128])
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+def test_decode_tiles_of_any_number_of_keys(block_size, keys_per_tile):
+    """A tile of keys spans several blocks or part of one; contexts of several tiles, one short."""
+    b, _, _ = make_batch([1, 64, 130, 200], [1] * 4, group=4, head_dim=16, block_size=block_size)
+    got = pa.paged_attention_decode(b["q"], b["k_cache"], b["v_cache"], b["block_tables"], b["seq_lens"],
+                                    b["scale"], 37, keys_per_tile=keys_per_tile)
+    assert_close(got, reference(b, 37), torch.float32)
+    assert_close(pa.paged_attention_decode(b["q"], b["k_cache"], b["v_cache"], b["block_tables"], b["seq_lens"],
+                                           b["scale"], keys_per_tile=keys_per_tile), reference(b), torch.float32)
+
+
 # One batch with everything the engine mixes in a step: a whole prompt longer than a block,
 # a prompt chunk after 21 cached tokens, a decode, and a one-token prompt.
 MIXED_SEQ_LENS, MIXED_QUERY_LENS = [19, 33, 9, 1], [19, 12, 1, 1]

@@ -42,8 +42,9 @@ def test_w4a16_kernel_equals_reference(layout, act_order, M, K, N, group, dtype)
     G = K if group == -1 else group
     x = torch.randn(M, K, generator=torch.Generator().manual_seed(1)).to(DEV, dtype)
     bias = torch.randn(N, generator=torch.Generator().manual_seed(2)).to(DEV, dtype)
-    for b in (None, bias):
-        got = w4a16_matmul(x, t["qweight"], t["qzeros"], t["scales"], g_idx, G, layout, b)
+    # split-K: as chosen for this M (None), none, and 3 slices (the last one short or empty)
+    for b, split in ((None, None), (bias, None), (bias, 1), (None, 3), (bias, 3)):
+        got = w4a16_matmul(x, t["qweight"], t["qzeros"], t["scales"], g_idx, G, layout, b, split=split)
         want = w4a16_matmul_ref(x, t["qweight"], t["qzeros"], t["scales"], g_idx, G, layout, b)
         assert got.dtype == dtype and got.shape == (M, N)
         tol = 1e-4 if dtype == torch.float32 else 2e-2

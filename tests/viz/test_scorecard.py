@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from llmopt.package_data import committed_result
-from llmopt.viz.scorecard import FAILS, HOLDS, NEEDS_GPU, Scorecard, gpu_quality, gpu_report
+from llmopt.viz.scorecard import FAILS, HOLDS, NEEDS_GPU, Scorecard, gpu_quality, gpu_quant_speed, gpu_report
 
 
 def test_a_verdict_is_holds_fails_or_needs_a_gpu_and_a_rerun_replaces_its_row(capsys):
@@ -40,7 +40,13 @@ ROWS = [{"name": "bf16", "label": "bf16 weights and activations", "activations":
          "kv_blocks": 107538, "kv_blocks_vs_bf16": 1.99}]
 
 
-def _report(tmp_path, dry_run=False, sanity="ok", quality="ok") -> Path:
+SPEED = [{"model": "SmolLM2", "sequences": 1, "weights": "bf16", "weight_bytes": 269_000_000,
+          "decode_tokens_per_s": 900.0, "vs_bf16": 1.0},
+         {"model": "SmolLM2", "sequences": 1, "weights": "W4A16 (RTN g128)", "weight_bytes": 90_000_000,
+          "decode_tokens_per_s": 950.0, "vs_bf16": 950 / 900}]
+
+
+def _report(tmp_path, dry_run=False, sanity="ok", quality="ok", speed=None) -> Path:
     """A report in benchmarks/gpu_check.py's JSON format; a status of None leaves that section out."""
     sections = [{"name": "env", "status": "ok", "numbers": {"load_average_1min": 0.4}}]
     if sanity is not None:
@@ -49,6 +55,8 @@ def _report(tmp_path, dry_run=False, sanity="ok", quality="ok") -> Path:
     if quality is not None:
         sections.append({"name": "smollm2-quality", "status": quality, "checks": [], "numbers": {
             "cpu_fp32_perplexity": 9.546, "protocol": "perplexity protocol", "rows": ROWS}})
+    if speed is not None:
+        sections.append({"name": "quant-speed", "status": speed, "checks": [], "numbers": {"rows": SPEED}})
     path = tmp_path / "gpu_check.json"
     path.write_text(json.dumps({"device_name": "NVIDIA H200", "dry_run": dry_run,
                                 "command": "python benchmarks/gpu_check.py", "sections": sections}))
@@ -108,3 +116,22 @@ def test_no_report_is_no_figure(tmp_path):
 def test_the_h200_report_of_2026_12_04_does_not_count_its_smollm2_was_a_lossy_rebuild():
     report, why = gpu_report(committed_result("gpu_check_2026-12-04.json"))
     assert report is None and "lossy rebuild (perplexity 896,246)" in why
+
+
+def test_the_quantized_speed_rows_count_where_their_section_passed(tmp_path):
+    rows, why = gpu_quant_speed(_report(tmp_path, speed="ok"))
+    assert rows == SPEED and "measured on NVIDIA H200" in why
+    for speed, words in (("failed", "speed section failed"), (None, "no quant-speed")):
+        rows, why = gpu_quant_speed(_report(tmp_path, speed=speed))
+        assert rows is None and words in why
+    rows, why = gpu_quant_speed(_report(tmp_path, dry_run=True, speed="ok"))
+    assert rows is None and "dry run" in why
+
+
+def test_the_lessons_speed_table_names_the_device_or_says_why_not(tmp_path):
+    from llmopt.viz.scorecard import gpu_speed_table
+
+    text = gpu_speed_table("W4A16", _report(tmp_path, speed="ok"))
+    assert "W4A16 (RTN g128)" in text and "1.06x" in text and "NVIDIA H200" in text
+    assert "W4A16" not in gpu_speed_table("FP8", _report(tmp_path, speed="ok"))  # bf16 beside FP8 rows only
+    assert gpu_speed_table("W4A16", tmp_path / "absent.json").startswith("no GPU speed table counts yet")

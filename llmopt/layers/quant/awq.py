@@ -12,7 +12,6 @@ from __future__ import annotations
 import torch
 
 from llmopt.kernels.quant_matmul import AWQ_PACK_ORDER, awq_dequantize, awq_unpack
-from llmopt.layers.quant.cpu_int import Int4Weight, int4_kernel_fits
 from llmopt.layers.quant.formats import AWQ_BITS, QuantizedWeight, pack
 from llmopt.layers.quant.linear import GroupQuantLinear, empty_param
 
@@ -54,10 +53,8 @@ class AWQLinear(GroupQuantLinear):
         self.qzeros = empty_param((self.groups, N // 8), torch.int32)
         self.scales = empty_param((self.groups, N), torch.float16)
 
-    def to_kernel_weight(self, dtype):
-        if int4_kernel_fits(self.out_features, self.in_features, self.group_size) is not None:
-            return None
-        return Int4Weight.from_affine(awq_unpack(self.qweight).t(), self.scales, awq_unpack(self.qzeros), dtype)
+    def affine(self):
+        return awq_unpack(self.qweight).t(), self.scales, awq_unpack(self.qzeros), None
 
     def dequantize(self, dtype=torch.float32):
         return awq_dequantize(self.qweight, self.qzeros, self.scales, self.group_size, dtype).t().contiguous()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from llmopt.kernels.quant_matmul import gptq_dequantize, unpack
-from llmopt.layers.quant.cpu_int import Int4Weight, Int8Weight, int4_kernel_fits
+from llmopt.layers.quant.cpu_int import Int8Weight
 from llmopt.layers.quant.formats import GPTQ_BITS, QuantizedWeight, pack
 from llmopt.layers.quant.linear import GroupQuantLinear, empty_param
 
@@ -59,16 +59,17 @@ class GPTQLinear(GroupQuantLinear):
             raise ValueError(f"{source}: g_idx names groups outside [0, {self.groups}) in {self.extra_repr()}")
         self.act_order = not torch.equal(self.g_idx, order)
 
-    def to_kernel_weight(self, dtype):
-        if self.act_order:
-            return None  # input columns out of group order: the kernel's groups are consecutive
+    def affine(self):
         q = unpack(self.qweight, self.bits, dim=0).t()                 # [N, K]
         zeros = unpack(self.qzeros, self.bits, dim=1) + 1              # [G, N]; v1 stores zero - 1
-        if self.bits == 4 and int4_kernel_fits(self.out_features, self.in_features, self.group_size) is None:
-            return Int4Weight.from_affine(q, self.scales, zeros, dtype)
-        if self.bits == 8 and self.groups == 1 and bool((zeros == 128).all()):  # symmetric, per channel
-            return Int8Weight((q - 128).to(torch.int8), self.scales.float()[0], dtype)
-        return None
+        return q, self.scales, zeros, self.g_idx if self.act_order else None
+
+    def to_kernel_weight(self, dtype):
+        if self.bits == 8 and self.groups == 1 and not self.act_order:
+            q, scale, zeros, _ = self.affine()
+            if bool((zeros == 128).all()):  # symmetric, per channel
+                return Int8Weight((q - 128).to(torch.int8), scale.float()[0], dtype)
+        return super().to_kernel_weight(dtype)  # 4 bits, groups in order: the int4 kernel
 
     def dequantize(self, dtype=torch.float32):
         return gptq_dequantize(self.qweight, self.qzeros, self.scales, self.g_idx, self.bits, dtype).t().contiguous()

@@ -28,7 +28,8 @@ from torch import nn
 
 from llmopt.kernels import HAS_TRITON
 from llmopt.kernels.quant_matmul import w4a16_matmul
-from llmopt.layers.quant.cpu_int import KERNEL_DTYPES, Int4Weight, Int8Weight, runs_kernel
+from llmopt.layers.quant.cpu_int import KERNEL_DTYPES, Int4Weight, Int8Weight, int4_kernel_fits, runs_kernel
+from llmopt.layers.quant.cuda_int4 import CudaInt4Weight, act_order_permutation, tinygemm_fits
 
 
 def empty_param(shape, dtype) -> nn.Parameter:
@@ -125,10 +126,15 @@ class QuantLinear(nn.Module):
 
 
 class GroupQuantLinear(QuantLinear):
-    """Group-wise integer weights (GPTQ's and AWQ's linears): on CUDA, 4-bit weights go through the
-    Triton W4A16 kernel, which reads the packed words directly; elsewhere QuantLinear's paths."""
+    """Group-wise integer weights (GPTQ's and AWQ's linears). On CUDA a 4-bit weight goes through
+    tinygemm, repacked once into its tiles (llmopt/layers/quant/cuda_int4.py; kept beside the
+    checkpoint's tensors, which the Triton kernel and `dequantize` read), or where tinygemm cannot
+    run it (or `cuda_kernel = "triton"`, as the lesson and the benchmarks set it) through the
+    readable Triton W4A16 kernel, which reads the packed words as stored; elsewhere QuantLinear's
+    paths. Subclasses say what their integers mean through `affine()`."""
 
     layout = "gptq"
+    cuda_kernel = "tinygemm"  # or "triton"
 
     def __init__(self, in_features, out_features, bits, group_size, bias, dtype):
         super().__init__(in_features, out_features)
@@ -138,15 +144,53 @@ class GroupQuantLinear(QuantLinear):
         self.bits, self.group_size, self.groups = bits, group, in_features // group
         self.bias = empty_param((out_features,), dtype) if bias else None
         self.act_order = False
+        self._tinygemm: tuple[torch.dtype, CudaInt4Weight | None] | None = None
+        self.why_not_tinygemm: str | None = None  # why the last tinygemm() gave None
 
     def extra_repr(self) -> str:
         return (f"{type(self).__name__}(in={self.in_features}, out={self.out_features}, "
                 f"bits={self.bits}, group_size={self.group_size})")
 
+    def affine(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(q [N, K] integers, scale [G, N], zero point [G, N], g_idx [K] or None where groups are
+        consecutive): W[n, k] = scale[g, n] * (q[n, k] - zero[g, n]), g = g_idx[k] or k // group_size."""
+        raise NotImplementedError
+
+    def to_kernel_weight(self, dtype):
+        """The CPU's int4 kernel where it runs this weight (its groups consecutive)."""
+        if self.bits != 4 or int4_kernel_fits(self.out_features, self.in_features, self.group_size) is not None:
+            return None
+        q, scale, zero, g_idx = self.affine()
+        return None if g_idx is not None else Int4Weight.from_affine(q, scale, zero, dtype)
+
+    def tinygemm(self, dtype: torch.dtype) -> CudaInt4Weight | None:
+        """tinygemm's form of this weight for `dtype` activations, built once (None where it cannot run)."""
+        if self._tinygemm is None or self._tinygemm[0] != dtype:
+            weight = None
+            self.why_not_tinygemm = tinygemm_fits(self.out_features, self.in_features, self.group_size, dtype,
+                                                  self.weight_device())
+            if self.why_not_tinygemm is None:
+                q, scale, zero, g_idx = self.affine()
+                try:
+                    perm = None if g_idx is None else act_order_permutation(g_idx, self.group_size)
+                    weight = CudaInt4Weight.from_affine(q, scale, zero, perm)
+                except (RuntimeError, ValueError) as e:  # a torch build without the op: the Triton kernel
+                    self.why_not_tinygemm = f"{type(e).__name__}: {e}"
+            self._tinygemm = (dtype, weight)
+        return self._tinygemm[1]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and HAS_TRITON and self.bits == 4:
-            g_idx = self.g_idx if self.layout == "gptq" and self.act_order else None
-            out = w4a16_matmul(x.reshape(-1, self.in_features), self.qweight, self.qzeros, self.scales,
-                               g_idx, self.group_size, self.layout, self.bias)
+        if x.is_cuda and self.bits == 4:
+            rows = x.reshape(-1, self.in_features)
+            fast = self.tinygemm(x.dtype) if self.cuda_kernel == "tinygemm" else None
+            if fast is not None:
+                out = fast.matmul(rows)
+                out = out if self.bias is None else out + self.bias
+            elif HAS_TRITON:
+                g_idx = self.g_idx if self.layout == "gptq" and self.act_order else None
+                out = w4a16_matmul(rows, self.qweight, self.qzeros, self.scales, g_idx, self.group_size,
+                                   self.layout, self.bias)
+            else:
+                return super().forward(x)
             return out.view(*x.shape[:-1], self.out_features)
         return super().forward(x)
