@@ -96,12 +96,3 @@ class OverlapLoop:
                 return None  # the pool is short: drain, and let the scheduler preempt
         return SchedulerOutput([(s, 1) for s in go_on], num_batched_tokens=len(go_on),
                                prefix_hits_before=bm.prefix_hits)
-
-    def drain(self) -> list:
-        """Read and process the step still queued (outputs of it), leaving nothing in flight."""
-        if self.pending is None:
-            return []
-        sched, launched = self.pending
-        self.pending = None
-        sched.scheduled = [(s, n) for s, n in sched.scheduled if not s.is_finished]
-        return self.enginself.process(sched, launched.sampled(), {})

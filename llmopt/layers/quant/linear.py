@@ -151,6 +151,10 @@ class GroupQuantLinear(QuantLinear):
         return (f"{type(self).__name__}(in={self.in_features}, out={self.out_features}, "
                 f"bits={self.bits}, group_size={self.group_size})")
 
+    def load_checkpoint_tensor(self, name, tensor, rows, what) -> None:
+        super().load_checkpoint_tensor(name, tensor, rows, what)
+        self._tinygemm = None  # repacked from the new integers when next needed
+
     def affine(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(q [N, K] integers, scale [G, N], zero point [G, N], g_idx [K] or None where groups are
         consecutive): W[n, k] = scale[g, n] * (q[n, k] - zero[g, n]), g = g_idx[k] or k // group_size."""
