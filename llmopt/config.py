@@ -17,6 +17,7 @@ import torch
 DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
           "float16": torch.float16, "half": torch.float16}
 KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
+KV_SCALE_STRATEGIES = ("tensor", "attn_head")  # calculate_kv_scales besides True / False
 QUANTIZATION = (None, "fp8", "int8", "gguf")
 LOAD_FORMATS = ("auto", "dummy")  # vLLM's names: the checkpoint's weights, or random ones of its shape
 SPEC_METHODS = ("draft_model", "ngram", "eagle", "layer_skip")
@@ -44,7 +45,10 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"   # or "priority" (vLLM), "lpm" (longest cached prefix first, SGLang)
     kv_cache_dtype: str = "auto"
-    calculate_kv_scales: bool = False  # FP8 KV: measure k/v scales on calibration text at load
+    # FP8 KV: measure k/v scales on calibration text at load: True (or "tensor", vLLM's: one scale per
+    # layer for keys and one for values) or "attn_head" (compressed-tensors' name: one per KV head)
+    calculate_kv_scales: bool | str = False
+    kv_cache_rotation: str | None = None  # "hadamard": keys and values turned before they are stored
     quantization: str | None = None
     speculative_config: dict | None = None
     seed: int = 0
@@ -91,8 +95,17 @@ class EngineConfig:
             # inf passed and then sized the pool as "cannot convert float NaN to integer"
             if not 0 < self.cpu_kv_cache_space < float("inf"):
                 raise ValueError(f"cpu_kv_cache_space (GiB) must be a finite number > 0, got {self.cpu_kv_cache_space}")
+        v = self.calculate_kv_scales
+        if not (isinstance(v, bool) or (isinstance(v, str) and v in KV_SCALE_STRATEGIES)):
+            raise ValueError(f"calculate_kv_scales must be False, True (= 'tensor': one scale per layer) or "
+                             f"'attn_head' (one per KV head), got {self.calculate_kv_scales!r}")
+        if self.kv_cache_rotation not in (None, "hadamard"):
+            raise ValueError(f"kv_cache_rotation must be None or 'hadamard', got {self.kv_cache_rotation!r}")
+        if self.kv_cache_rotation is not None and not self.calculate_kv_scales:
+            raise ValueError("kv_cache_rotation='hadamard' turns keys and values before their scales are measured; "
+                             "set calculate_kv_scales=True (or 'attn_head') too")
         for name in ("enable_chunked_prefill", "enable_prefix_caching", "enforce_eager", "enable_trace",
-                     "calculate_kv_scales", "async_scheduling"):
+                     "async_scheduling"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:

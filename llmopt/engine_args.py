@@ -31,8 +31,11 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prefix-cache", default="hash", choices=["hash", "radix"],
                    help="hash: vLLM's chained block hashes; radix: SGLang's radix tree (token granularity)")
     g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"])
-    g.add_argument("--calculate-kv-scales", action="store_true",
-                   help="FP8 KV cache: measure k/v scales on calibration text at start")
+    g.add_argument("--calculate-kv-scales", nargs="?", const=True, default=False, choices=["tensor", "attn_head"],
+                   help="FP8 KV cache: measure k/v scales on calibration text at start, one per layer "
+                        "(no value, or 'tensor') or one per KV head ('attn_head')")
+    g.add_argument("--kv-cache-rotation", default=None, choices=["hadamard"],
+                   help="FP8 KV cache: turn keys and values by a Hadamard matrix before measuring their scales")
     g.add_argument("--quantization", default=None, choices=["fp8", "int8", "gguf"],
                    help="gguf: keep a GGUF file's Q4_0 / Q4_1 / Q8_0 blocks for the CPU int kernels")
     g.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
@@ -50,8 +53,9 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
 ENGINE_FLAGS = ["model", "tokenizer", "dtype", "device", "block_size", "num_kv_blocks",
                 "gpu_memory_utilization", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
                 "enable_chunked_prefill", "enable_prefix_caching", "scheduling_policy", "prefix_cache",
-                "kv_cache_dtype", "calculate_kv_scales", "quantization", "load_format", "speculative_config", "seed",
-                "tensor_parallel_size", "pipeline_parallel_size", "enforce_eager", "async_scheduling"]
+                "kv_cache_dtype", "calculate_kv_scales", "kv_cache_rotation", "quantization", "load_format",
+                "speculative_config", "seed", "tensor_parallel_size", "pipeline_parallel_size", "enforce_eager",
+                "async_scheduling"]
 
 
 def engine_kwargs(args) -> dict:

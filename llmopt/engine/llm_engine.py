@@ -101,7 +101,7 @@ class LLMEngine:
             self.kv_cache = kv_pools.build_kv_pool(cfg, self.num_blocks, self.block_size, self.dtype, self.device,
                                                    config.kv_cache_dtype, kernels=not config.enforce_eager)
         kv_pools.set_kv_scales(self.kv_cache, config.calculate_kv_scales, self.model, self.tokenizer,
-                               self.model_path, self.max_model_len)
+                               self.model_path, self.max_model_len, config.kv_cache_rotation)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens, config.enable_chunked_prefill,
                                    config.scheduling_policy, max_in_flight=config.pipeline_parallel_size)

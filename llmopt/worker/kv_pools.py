@@ -42,12 +42,15 @@ def build_kv_pool(model_config, num_blocks: int, block_size: int, dtype: torch.d
                         dtype, device, kv_cache_torch_dtype(kv_cache_dtype, dtype), kernels=kernels)
 
 
-def set_kv_scales(pool, calculate: bool, model, tokenizer, model_path, max_model_len: int) -> None:
-    """An FP8 pool's per-layer K/V scales: calibrated on sample text (`calculate`), else the
+def set_kv_scales(pool, calculate: bool | str, model, tokenizer, model_path, max_model_len: int,
+                  rotation: str | None = None) -> None:
+    """An FP8 pool's K/V scales: calibrated on sample text (`calculate`: True or "tensor" one per
+    layer, "attn_head" one per KV head; `rotation` "hadamard" turns keys and values first), else the
     checkpoint's, else 1.0. A pool in the model's own dtype needs none."""
     if not pool.is_fp8:
         return
     if calculate:
-        pool.calibrate(model, calibration_token_ids(tokenizer, seq_len=min(512, max_model_len)))
+        pool.calibrate(model, calibration_token_ids(tokenizer, seq_len=min(512, max_model_len)),
+                       per_head=calculate == "attn_head", rotate=rotation == "hadamard")
     else:
         pool.load_scales(model_path)

@@ -217,6 +217,23 @@ def test_bad_checkpoint_scales_are_refused(checkpoint_with_kv_scales):
     assert read_kv_scales(model_path("tiny"), 6) is None
 
 
+def test_per_head_scales_and_the_rotation_are_engine_options():
+    """The best FP8 KV setting of the precision table (per-head scales over Hadamard-rotated keys and
+    values) from LLM arguments: the pool calibrated so, and its text close to the plain pool's."""
+    llm = LLM(model="tiny", kv_cache_dtype="fp8", calculate_kv_scales="attn_head", kv_cache_rotation="hadamard",
+              num_kv_blocks=64)
+    pool = llm.llm_engine.kv_cache
+    assert pool.scale_source == "calibrated per head, rotated" and pool.rotation is not None
+    assert all(torch.as_tensor(s).numel() == pool.k[0].shape[2] for s in pool.k_scale + pool.v_scale)
+    per_layer = LLM(model="tiny", kv_cache_dtype="fp8", calculate_kv_scales="tensor", num_kv_blocks=64)
+    assert per_layer.llm_engine.kv_cache.scale_source == "calibrated" and per_layer.llm_engine.kv_cache.rotation is None
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts = ["def fibonacci(n):", "import os\n"]
+    full = [o.outputs[0].token_ids for o in LLM(model="tiny", num_kv_blocks=64).generate(prompts, params, use_tqdm=False)]
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert sum(a[:4] == b[:4] for a, b in zip(got, full)) == 2  # the first tokens of each unchanged
+
+
 # ---- bad input ------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kwargs,match", [
@@ -225,6 +242,11 @@ def test_bad_checkpoint_scales_are_refused(checkpoint_with_kv_scales):
     (dict(kv_cache_dtype=None), "kv_cache_dtype must be one of"),
     (dict(calculate_kv_scales=True), "calculate_kv_scales=True calibrates the scales of an FP8 KV cache"),
     (dict(kv_cache_dtype="bfloat16", calculate_kv_scales=True), "calculate_kv_scales=True calibrates"),
+    (dict(kv_cache_dtype="fp8", calculate_kv_scales="per_head"), "calculate_kv_scales must be False, True .* 'attn_head'"),
+    (dict(kv_cache_dtype="fp8", calculate_kv_scales=1), "calculate_kv_scales must be False, True"),
+    (dict(kv_cache_dtype="fp8", kv_cache_rotation="hadamard"), "set calculate_kv_scales=True .* too"),
+    (dict(kv_cache_dtype="fp8", calculate_kv_scales=True, kv_cache_rotation="random"),
+     "kv_cache_rotation must be None or 'hadamard'"),
 ])
 def test_bad_kv_cache_arguments_are_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -232,7 +254,7 @@ def test_bad_kv_cache_arguments_are_refused(kwargs, match):
 
 
 def test_bad_kv_cache_types_and_scales_are_refused():
-    with pytest.raises(TypeError, match="calculate_kv_scales must be True or False"):
+    with pytest.raises(ValueError, match="calculate_kv_scales must be False, True"):
         EngineConfig(kv_cache_dtype="fp8", calculate_kv_scales="yes")
     with pytest.raises(ValueError, match="the model's dtype cannot be torch.float8_e4m3fn"):
         PagedKVCache(1, 4, 8, 1, 16, dtype=torch.float8_e4m3fn)
