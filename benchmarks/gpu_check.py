@@ -379,7 +379,7 @@ def sections() -> list[tuple[Section, object]]:
             ("smollm2-throughput", 20, gpu_engine.section_smollm2_throughput),
             ("decode-speed", 35, gpu_speed.section_decode_speed),
             ("speculation", 30, gpu_speed.section_speculation),
-            ("quant-speed", 50, gpu_speed.section_quant_speed)]
+            ("quant-speed", 60, gpu_speed.section_quant_speed)]
     assert sum(b for _, b, _ in plan) <= TOTAL_BUDGET_S - 30, "the budgets must leave room for start-up"
     assert tuple(n for n, _, _ in plan) == SECTIONS
     return [(Section(name, budget), fn) for name, budget, fn in plan]
