@@ -180,20 +180,14 @@ def rtn_w4a16(model, group_size: int = 128) -> None:
     """Every quantizable linear of `model` replaced, on its device, by RTN 4-bit weights with zero
     points in the GPTQ layout: the W4A16 engine of a shape with random weights (speed only; a trained
     model's W4A16 quality is smollm2-quality's)."""
-    from llmopt.layers.quant.gptq import GPTQLinear, to_gptq
+    from llmopt.layers.quant.gptq import GPTQLinear
     from llmopt.quant.rtn import rtn_quantize
 
     for name in model.quantizable_linears():
         dense = model.get_submodule(name)
-        layer = GPTQLinear(dense.in_features, dense.out_features, 4, group_size, dense.bias is not None,
-                           dense.weight.dtype).to(dense.weight.device)
-        tensors = to_gptq(rtn_quantize(dense.weight.data, 4, group_size, sym=False, min_zero=1))
-        if dense.bias is not None:
-            tensors["bias"] = dense.bias.data
-        for key, t in tensors.items():
-            layer.load_checkpoint_tensor(key, t, None, f"{name}.{key}")
-        layer.after_loading(name)
-        model.set_submodule(name, layer)
+        q = rtn_quantize(dense.weight.data, 4, group_size, sym=False, min_zero=1)
+        model.set_submodule(name, GPTQLinear.from_quantized(q, None if dense.bias is None else dense.bias.data,
+                                                            dense.weight.dtype))
         del dense
 
 

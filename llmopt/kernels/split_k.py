@@ -11,6 +11,8 @@ would make it vary from run to run).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 TARGET_WAVES = 2      # programs per multiprocessor to aim for
@@ -22,13 +24,17 @@ def split_k(M: int, N: int, K: int, block_n: int, block_k: int, device, max_rows
     already) or where the output tiles alone fill the GPU; else a power of two up to that."""
     if M > max_rows:
         return 1
-    device = torch.device(device)
-    # the interpreter (tests) gets a small machine, so that small shapes exercise the split too
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
-    tiles, split = -(-N // block_n), 1
+    tiles, split, sms = -(-N // block_n), 1, multiprocessors(torch.device(device))
     while tiles * split < TARGET_WAVES * sms and K // (2 * split) >= MIN_TILES_PER_SPLIT * block_k:
         split *= 2
     return split
+
+
+@functools.cache
+def multiprocessors(device: torch.device) -> int:
+    """The GPU's streaming multiprocessors, asked once per device (split_k runs on every product);
+    the interpreter (tests) gets a small machine, so that small shapes exercise the split too."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
 
 
 def k_per_split(K: int, split: int, block_k: int) -> int:

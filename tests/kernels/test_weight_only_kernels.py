@@ -8,10 +8,10 @@ from test_quant_kernels import random_weight
 from triton_checks import DEVICE, DTYPES, needs_triton
 
 from llmopt.kernels.split_k import k_per_split, split_k
-from llmopt.layers.quant.awq import AWQLinear, to_awq
+from llmopt.layers.quant.awq import AWQLinear
 from llmopt.layers.quant.cuda_int4 import (act_order_permutation, tinygemm_dequantize, tinygemm_fits,
                                           tinygemm_operands)
-from llmopt.layers.quant.gptq import GPTQLinear, to_gptq
+from llmopt.layers.quant.gptq import GPTQLinear
 
 
 def fp8_case(M, K, N, dtype, seed=0):
@@ -50,11 +50,7 @@ def test_tinygemm_operands_hold_the_checkpoints_weight(layout, act_order):
     """Repacked for tinygemm ((q - 8) * scale + zero, two columns a byte, act-order columns sorted by
     group), the weight is the checkpoint's, up to the scales' and zeros' rounding to bfloat16."""
     K, N, G = 256, 96, 64
-    w = random_weight(K, N, G, act_order, seed=3)
-    m = (GPTQLinear if layout == "gptq" else AWQLinear)(K, N, 4, G)
-    for name, t in (to_gptq if layout == "gptq" else to_awq)(w).items():
-        m.load_checkpoint_tensor(name, t, None, name)
-    m.after_loading("test")
+    m = (GPTQLinear if layout == "gptq" else AWQLinear).from_quantized(random_weight(K, N, G, act_order, seed=3))
     q, scale, zero, g_idx = m.affine()
     perm = None if g_idx is None else act_order_permutation(g_idx, G)
     assert (perm is not None) == act_order
@@ -83,11 +79,7 @@ def test_tinygemm_says_why_not():
 def test_tinygemm_on_the_gpu_equals_the_triton_kernel_and_the_reference(layout, act_order, M):
     K, N, G = 576, 960, 64  # SmolLM2's qkv_proj (576 = 64 x 9: two 16-column tiles a pass)
     w = random_weight(K, N, G, act_order, seed=M)
-    m = (GPTQLinear if layout == "gptq" else AWQLinear)(K, N, 4, G, dtype=torch.bfloat16)
-    for name, t in (to_gptq if layout == "gptq" else to_awq)(w).items():
-        m.load_checkpoint_tensor(name, t, None, name)
-    m.after_loading("test")
-    m = m.cuda()
+    m = (GPTQLinear if layout == "gptq" else AWQLinear).from_quantized(w, dtype=torch.bfloat16).cuda()
     x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
     want = x.float() @ m.dequantize(torch.float32).t()
     got = m(x)

@@ -39,6 +39,8 @@ class AWQLinear(GroupQuantLinear):
     """AutoAWQ's GEMM layout: qweight [K, N/8] and qzeros [K/G, N/8] packed along the output
     dimension in nibble order [0, 2, 4, 6, 1, 3, 5, 7], scales [K/G, N]."""
 
+    to_checkpoint = staticmethod(to_awq)
+
     layout = "awq"
     SHARDING = {"qweight": (1, 1, 8), "qzeros": (1, 1, 8), "scales": (1, 1, 1), "bias": (0, 1, 1)}
 

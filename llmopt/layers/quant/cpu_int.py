@@ -44,6 +44,23 @@ def int4_kernel_fits(out_features: int, in_features: int, group_size: int) -> st
     return None
 
 
+def int4_zero(scale: torch.Tensor, zero_point: torch.Tensor) -> torch.Tensor:
+    """GPTQ / AWQ's W = scale * (q - zero_point) in the kernels' form (q - 8) * scale + zero."""
+    return scale.float() * (8 - zero_point.float())
+
+
+def int4_scales_and_zeros(scale: torch.Tensor, zero: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """scale and zero [K / G, N] -> the kernels' scales_and_zeros [K / G, N, 2] in `dtype`."""
+    return torch.stack([scale.float(), zero.float()], -1).to(dtype).contiguous()
+
+
+def int4_dequantize(q: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
+    """The weight [N, K] in float32 that (q - 8) * scale + zero gives, q [N, K] in [0, 16)."""
+    s, z = scales_and_zeros.float().unbind(-1)                          # [G, N] each
+    group = q.shape[1] // s.shape[0]
+    return (q.float() - 8) * s.repeat_interleave(group, 0).t() + z.repeat_interleave(group, 0).t()
+
+
 class Int4Weight:
     """A [N, K] weight as torch's CPU int4 kernel wants it: packed nibbles + scales and zeros."""
 
@@ -61,14 +78,13 @@ class Int4Weight:
         q8 = q.to(torch.uint8)
         self.nibbles = q8[:, 0::2] | (q8[:, 1::2] << 4)   # for dequantize(): the kernel's packing is opaque
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
-        self.scales_and_zeros = torch.stack([scale.float(), zero.float()], -1).to(dtype).contiguous()
+        self.scales_and_zeros = int4_scales_and_zeros(scale, zero, dtype)
 
     @classmethod
     def from_affine(cls, q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor,
                     dtype: torch.dtype) -> "Int4Weight":
         """GPTQ / AWQ's form W = scale * (q - zero_point), scale and zero_point [G, N]."""
-        scale = scale.float()
-        return cls(q, scale, scale * (8 - zero_point.float()), dtype)
+        return cls(q, scale.float(), int4_zero(scale, zero_point), dtype)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] in self.dtype -> [M, N]."""
@@ -77,11 +93,8 @@ class Int4Weight:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight [N, K] the kernel multiplies by (its scales as rounded to self.dtype)."""
-        s, z = self.scales_and_zeros.float().unbind(-1)                  # [G, N] each
-        s = s.repeat_interleave(self.group_size, 0).t()
-        z = z.repeat_interleave(self.group_size, 0).t()
         q = torch.stack([self.nibbles & 15, self.nibbles >> 4], -1).reshape(self.out_features, -1)
-        return ((q.float() - 8) * s + z).to(dtype)
+        return int4_dequantize(q, self.scales_and_zeros).to(dtype)
 
     def nbytes(self) -> int:
         return self.packed.numel() * self.packed.element_size() + \

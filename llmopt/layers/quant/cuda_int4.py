@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import torch
 
+from llmopt.layers.quant.cpu_int import int4_dequantize, int4_scales_and_zeros, int4_zero
+
 GROUP_SIZES = (32, 64, 128, 256)
 INNER_K_TILES = (8, 4, 2)  # the most 16-column tiles a pass of the kernel's loop takes that K allows
 
@@ -64,15 +66,12 @@ def tinygemm_operands(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) 
     bytes [N, K/2] (column 2j in the high nibble) and scales_and_zeros [K/G, N, 2] in bfloat16."""
     q = q.to(torch.int32)
     nibbles = ((q[:, 0::2] << 4) | q[:, 1::2]).to(torch.uint8).contiguous()
-    return nibbles, torch.stack([scale.float(), zero.float()], -1).to(torch.bfloat16).contiguous()
+    return nibbles, int4_scales_and_zeros(scale, zero, torch.bfloat16)
 
 
 def tinygemm_dequantize(nibbles: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
     """The weight [N, K] in float32 that tinygemm multiplies by, from `tinygemm_operands`' output."""
-    q = torch.stack([nibbles >> 4, nibbles & 15], -1).flatten(-2).float()          # [N, K]
-    s, z = scales_and_zeros.float().unbind(-1)                                       # [G, N]
-    group = q.shape[1] // s.shape[0]
-    return (q - 8) * s.repeat_interleave(group, 0).t() + z.repeat_interleave(group, 0).t()
+    return int4_dequantize(torch.stack([nibbles >> 4, nibbles & 15], -1).flatten(-2), scales_and_zeros)
 
 
 class CudaInt4Weight:
@@ -94,8 +93,7 @@ class CudaInt4Weight:
     @classmethod
     def from_affine(cls, q, scale, zero_point, perm=None) -> "CudaInt4Weight":
         """GPTQ / AWQ's form W = scale * (q - zero_point), scale and zero_point [G, N]."""
-        scale = scale.float()
-        return cls(q, scale, scale * (8 - zero_point.float()), perm)
+        return cls(q, scale.float(), int4_zero(scale, zero_point), perm)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.perm is not None:

@@ -36,6 +36,8 @@ class GPTQLinear(GroupQuantLinear):
     """AutoGPTQ's v1 layout: qweight [K*bits/32, N], qzeros [K/G, N*bits/32] (zero - 1),
     scales [K/G, N], g_idx [K]."""
 
+    to_checkpoint = staticmethod(to_gptq)
+
     OPTIONAL = ("g_idx",)  # older checkpoints without act-order leave it out: k // G
 
     def __init__(self, in_features, out_features, bits=4, group_size=128, bias=False, dtype=torch.float32):

@@ -151,6 +151,18 @@ class GroupQuantLinear(QuantLinear):
         return (f"{type(self).__name__}(in={self.in_features}, out={self.out_features}, "
                 f"bits={self.bits}, group_size={self.group_size})")
 
+    @classmethod
+    def from_quantized(cls, w, bias: torch.Tensor | None = None, dtype: torch.dtype = torch.float32):
+        """The layer holding a `QuantizedWeight` (llmopt/layers/quant/formats.py), on w's device,
+        written into this layout (`to_checkpoint`) and loaded as a checkpoint's tensors are."""
+        n, k = w.shape
+        layer = cls(k, n, w.bits, w.group_size, bias is not None, dtype).to(w.qweight.device)
+        tensors = cls.to_checkpoint(w) | ({} if bias is None else {"bias": bias})
+        for name, t in tensors.items():
+            layer.load_checkpoint_tensor(name, t, None, name)
+        layer.after_loading(f"a quantized [{n}, {k}] weight")
+        return layer
+
     def load_checkpoint_tensor(self, name, tensor, rows, what) -> None:
         super().load_checkpoint_tensor(name, tensor, rows, what)
         self._tinygemm = None  # repacked from the new integers when next needed
