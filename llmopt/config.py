@@ -56,6 +56,9 @@ class EngineConfig:
     pipeline_parallel_size: int = 1
     enforce_eager: bool = False
     async_scheduling: bool = False    # vLLM's: queue the next decode step before reading this one (SGLang's overlap)
+    # SGLang's name: a request's tokens independent of the batch it runs in (kernels whose reduction
+    # order ignores the batch); None: vLLM's switch, the environment's VLLM_BATCH_INVARIANT=1
+    enable_deterministic_inference: bool | None = None
     prefix_cache: str = "hash"        # "hash": vLLM's chained block hashes; "radix": SGLang's radix tree
     load_format: str = "auto"         # "dummy": the model's shape with random weights (speed only)
     # Not in vLLM's LLM signature but in its spirit: the CPU KV budget (vLLM reads the
@@ -104,8 +107,10 @@ class EngineConfig:
         if self.kv_cache_rotation is not None and not self.calculate_kv_scales:
             raise ValueError("kv_cache_rotation='hadamard' turns keys and values before their scales are measured; "
                              "set calculate_kv_scales=True (or 'attn_head') too")
+        if self.enable_deterministic_inference is None:
+            self.enable_deterministic_inference = _batch_invariant_from_env()
         for name in ("enable_chunked_prefill", "enable_prefix_caching", "enforce_eager", "enable_trace",
-                     "async_scheduling"):
+                     "async_scheduling", "enable_deterministic_inference"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
@@ -195,6 +200,18 @@ class EngineConfig:
             raise ValueError("async_scheduling=True queues a decode step before the last one is read; with "
                              "speculative_config the next drafts need the verified tokens first, so the two "
                              "are not allowed together")
+        if self.enable_deterministic_inference:
+            # Batch invariance is the compiled CPU step's (llmopt/worker/compiled_decode.py). The eager
+            # path multiplies with torch's GEMM, which blocks and splits by the row count; on a GPU the
+            # Triton kernels would need the same: one tile shape and no split-K at every batch size,
+            # attention split at fixed key positions, CUDA graphs recorded per bucket kept as they are.
+            for bad, what in ((self.enforce_eager, "enforce_eager=True runs torch's matmuls, whose order of "
+                               "additions changes with the number of rows"),
+                              (self.torch_device().type == "cuda", "on CUDA the Triton kernels choose their tiles "
+                               "and splits by the batch (run it with device='cpu')")):
+                if bad:
+                    raise ValueError(f"enable_deterministic_inference=True (or VLLM_BATCH_INVARIANT=1) needs the "
+                                     f"compiled CPU step, and {what}")
         _int("seed", self.seed)
         if not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]:  # 2**70 failed in torch.manual_seed, after loading
             raise ValueError(f"seed must be in [-2**63, 2**64) (what torch.manual_seed takes), got {self.seed}")
@@ -204,6 +221,7 @@ class EngineConfig:
             # what the parallel workers do not split (yet): refused here rather than run wrong
             refused = [(self.speculative_config is not None, "speculative_config"),
                        (self.async_scheduling, "async_scheduling=True"),  # pipelining already overlaps steps
+                       (self.enable_deterministic_inference, "enable_deterministic_inference=True"),
                        # the copy-on-write of partly matched blocks runs in this process's pool only
                        (self.prefix_cache == "radix", "prefix_cache='radix'"),
                        (self.kv_cache_dtype != "auto", f"kv_cache_dtype={self.kv_cache_dtype!r}"),
@@ -227,6 +245,14 @@ class EngineConfig:
         device = self.torch_device()
         capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
         return resolve_dtype(self.dtype, device.type, capability, checkpoint_dtype)
+
+
+def _batch_invariant_from_env() -> bool:
+    """vLLM's switch: VLLM_BATCH_INVARIANT=1 (or 0 / unset: off); any other value is refused."""
+    raw = os.environ.get("VLLM_BATCH_INVARIANT", "0").strip()
+    if raw not in ("0", "1", ""):
+        raise ValueError(f"VLLM_BATCH_INVARIANT must be 1 (batch-invariant kernels) or 0, got {raw!r}")
+    return raw == "1"
 
 
 def resolve_dtype(dtype: str | torch.dtype, device_type: str, capability: tuple[int, int] | None,

@@ -48,6 +48,9 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enforce-eager", action="store_true")
     g.add_argument("--async-scheduling", action="store_true",
                    help="queue the next decode step before reading this one (SGLang's overlap scheduler)")
+    g.add_argument("--enable-deterministic-inference", action="store_true", default=None,
+                   help="batch-invariant kernels: a request's tokens independent of its neighbours "
+                        "(SGLang's flag; VLLM_BATCH_INVARIANT=1 is the same switch)")
 
 
 ENGINE_FLAGS = ["model", "tokenizer", "dtype", "device", "block_size", "num_kv_blocks",
@@ -55,7 +58,7 @@ ENGINE_FLAGS = ["model", "tokenizer", "dtype", "device", "block_size", "num_kv_b
                 "enable_chunked_prefill", "enable_prefix_caching", "scheduling_policy", "prefix_cache",
                 "kv_cache_dtype", "calculate_kv_scales", "kv_cache_rotation", "quantization", "load_format",
                 "speculative_config", "seed", "tensor_parallel_size", "pipeline_parallel_size", "enforce_eager",
-                "async_scheduling"]
+                "async_scheduling", "enable_deterministic_inference"]
 
 
 def engine_kwargs(args) -> dict:

@@ -107,10 +107,10 @@ class LLMEngine:
                                    config.scheduling_policy, max_in_flight=config.pipeline_parallel_size)
         self.runner = (ModelRunner if ex is None else ex.make_runner)(
             self.model, self.kv_cache, self.block_size, self.device, self.eos_token_ids)
-        # how every step's forward runs, chosen once: eager torch, the compiled CPU step, CUDA graphs
-        self.runner.backend = choose_step_backend(
+        self.runner.backend = choose_step_backend(  # chosen once: eager torch, compiled CPU step, CUDA graphs
             self.model, self.kv_cache, self.device, config.enforce_eager, self.executor is not None,
-            config.max_num_seqs, -(-self.max_model_len // self.block_size), config.max_num_batched_tokens)
+            config.max_num_seqs, -(-self.max_model_len // self.block_size), config.max_num_batched_tokens,
+            config.enable_deterministic_inference)
         self.decode_path = self.runner.backend.path
         self.runner.keep_hidden = self.proposer is not None  # an EAGLE head reads every step's hidden states
         self.overlap = (OverlapLoop(self, self._schedule, self._execute, self._process)  # the plain step's phases

@@ -24,6 +24,16 @@ quantized layers, draft trees too large for the kernels' masks, tensor or pipeli
 runs eagerly, and `why_not` says which. A draft model or an EAGLE head drafts through the same
 call (`CompiledLayers`), so a speculative step has no eager stretch left.
 
+Batch-invariant mode (`batch_invariant=True`: SGLang's enable_deterministic_inference, vLLM's
+VLLM_BATCH_INVARIANT=1): a row's tokens must not depend on the rows beside it, so nothing may pick
+its arithmetic by the step's size. Dense linears then take dense_matmul.cpp's row kernel at every
+row count (each row of x is its own chain of sums over K, in the same order whatever M is; the bf16
+panels and torch's GEMM, which block and split by M, are left out), GGUF linears their block kernels
+at every row count (no dense copy above a limit), the head the same row kernel, and the attention
+its invariant mode (fixed slices, one loop for every row: llmopt/kernels/cpu/paged_attention.cpp).
+RMSNorm, RoPE, SiLU and the residuals are per row already. The cost is the speed those choices
+give up (benchmarks/batch_invariance.py measures it).
+
 The timings behind these choices: benchmarks/README.md, "Measurements behind the code's choices".
 """
 
@@ -46,18 +56,23 @@ LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 # as the row kernel below at one row of x, faster than it above, and faster than torch's bf16
 # matmul at every size. The panels are a second copy of the weights: the originals serve the eager
 # path (enforce_eager=True, a swapped-in model, draft trees too large for the kernels' masks).
-# Elsewhere bfloat16 takes dense_matmul.cpp's row kernel up to 8 rows, where it beats torch's matmul
-# even with AMX tiles; from 16 rows torch's blocked GEMM wins there. float32 stays on torch's matmul
+# Without AVX-512, bfloat16 takes dense_matmul.cpp's row kernel at every number of rows: on AVX2
+# alone torch's bf16 matmul has no native bf16 arithmetic and ran 4-5x slower than the row kernel at
+# 1 to 512 rows. (With AMX tiles the row kernel wins up to 8 rows and torch's blocked GEMM from 16,
+# kept as the limit there, though such CPUs have AVX-512 and so take the panels.) float32 stays on torch's matmul
 # at every size: its one-row path already streams the weights near the bandwidth, and the same
 # matmul as the eager path keeps the compiled step's float32 greedy tokens equal to eager's (the
 # tests hold them so). (measured: benchmarks/README.md, "Measurements behind the code's choices")
 def dense_kernel_max_rows(dtype: torch.dtype) -> int:
-    return 8 if dtype == torch.bfloat16 else 0
+    if dtype != torch.bfloat16:
+        return 0
+    return 8 if "amx_bf16" in cpu.cpu_flags().split() else UNLIMITED
 
 
-def dense_weight(weight: torch.Tensor) -> torch.Tensor:
-    """What the step multiplies a dense linear by: bf16 panels where the kernel runs them, else W."""
-    panels = cpu.dense_panels(weight) if weight.dtype == torch.bfloat16 else None
+def dense_weight(weight: torch.Tensor, panels: bool = True) -> torch.Tensor:
+    """What the step multiplies a dense linear by: bf16 panels where the kernel runs them (and
+    `panels`), else W."""
+    panels = cpu.dense_panels(weight) if panels and weight.dtype == torch.bfloat16 else None
     return weight.detach() if panels is None else panels
 
 
@@ -93,18 +108,32 @@ def why_not_layers(layers, dtype, kv_cache, device) -> str | None:
     return None
 
 
+def why_not_invariant(model) -> str | None:
+    """Why the compiled step cannot run this model batch-invariantly (None when it can): its head
+    must be a dense bias-free linear, multiplied by the row kernel (a GGUF head hands large
+    batches to a dense copy, a biased one to torch)."""
+    head = model.lm_head
+    if type(head) is not nn.Linear or head.bias is not None:
+        return f"its head is {type(head).__name__}{' with a bias' if getattr(head, 'bias', None) is not None else ''}"
+    return None
+
+
 class CompiledLayers:
     """`run(h, meta)`: Llama decoder layers over a paged pool in one C++ call, h updated in
     place (before any final norm). The target's whole stack runs so (CompiledDecode below), and
-    so does an EAGLE head's one layer (llmopt/spec/proposers.py)."""
+    so does an EAGLE head's one layer (llmopt/spec/proposers.py). `batch_invariant`: each row's
+    arithmetic independent of the step's other rows (the module's docstring)."""
 
-    def __init__(self, layers, rotary, kv_cache, dtype: torch.dtype, max_step_rows: int = UNLIMITED):
+    def __init__(self, layers, rotary, kv_cache, dtype: torch.dtype, max_step_rows: int = UNLIMITED,
+                 batch_invariant: bool = False):
         self.kv_cache, self.rotary, self.dtype = kv_cache, rotary, dtype
+        self.batch_invariant = batch_invariant
         attn = layers[0].self_attn
         self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
         self.eps = float(layers[0].input_layernorm.eps)
         self.no_tree = torch.empty(0, dtype=torch.int64)  # causal rows: no draft tree's mask
-        self.dense_rows = dense_kernel_max_rows(dtype)
+        # invariant: the row kernel at every row count (never torch's GEMM, never the panels)
+        self.dense_rows = UNLIMITED if batch_invariant else dense_kernel_max_rows(dtype)
         ext = cpu.load()
         none = torch.empty(0, dtype=dtype)  # (what a layer does not have: bias, min, blocks)
         names = ("qkv", "o", "gate_up", "down")
@@ -112,7 +141,7 @@ class CompiledLayers:
                                     layer.mlp.down_proj))) for layer in layers]
         # dense weights in the kernel's form; bf16 panels are this step's own copies: onto 2 MB pages
         # as the model's weights are (llmopt/worker/huge_pages.py), all in one mapping
-        dense = {id(lin): dense_weight(lin.weight) for ls in linears for lin in ls.values()
+        dense = {id(lin): dense_weight(lin.weight, panels=not batch_invariant) for ls in linears for lin in ls.values()
                  if not isinstance(lin, GGUFLinear)}
         own = [k for k, w in dense.items() if w.dim() == 5]
         dense.update(zip(own, huge_pages.onto_huge_pages([dense[k] for k in own])))
@@ -123,7 +152,7 @@ class CompiledLayers:
             if not isinstance(lin, GGUFLinear):
                 return ext.Linear(kind=0, w=dense[id(lin)], qs=none, d=none, mn=none, bias=bias,
                                   int8=False, max_rows=UNLIMITED, dense_rows=self.dense_rows)
-            b, max_rows = lin.weight_blocks, lin.kernel_max_rows(dtype)
+            b, max_rows = lin.weight_blocks, UNLIMITED if batch_invariant else lin.kernel_max_rows(dtype)
             # the dense copy is what batches above the kernel's limit multiply by, made only where a
             # step can bring that many rows (max_step_rows: the engine's token budget): a 1B model's
             # float copy is 5 GB, and with a budget of 32 tokens its prompts run on the blocks
@@ -151,23 +180,27 @@ class CompiledLayers:
         tree = self.no_tree if meta.tree_bits is None else meta.tree_bits
         cpu.load().decode_layers(
             h, cos, ssin, self.layers, meta.slot_mapping.long(), meta.block_table_tensor, meta.query_start_loc,
-            meta.seq_lens_tensor, tree, self.num_heads, self.num_kv_heads, self.head_dim, self.eps)
+            meta.seq_lens_tensor, tree, self.num_heads, self.num_kv_heads, self.head_dim, self.eps,
+            self.batch_invariant)
 
 
 class CompiledDecode(StepBackend):
     """The CPU's step backend (llmopt/worker/model_runner.py): `forward(input_ids, meta)` = the
-    model's hidden states for a step, every decoder layer in one C++ call."""
+    model's hidden states for a step, every decoder layer in one C++ call (`batch_invariant`: each
+    row's arithmetic independent of the step's other rows, the head's included)."""
 
     path = "compiled"
 
-    def __init__(self, model, kv_cache, max_step_rows: int = UNLIMITED):
+    def __init__(self, model, kv_cache, max_step_rows: int = UNLIMITED, batch_invariant: bool = False):
         self.model, self.kv_cache = model, kv_cache
         stack = model.model
         self.dtype = stack.norm.weight.dtype  # (the embedding may be GGUF blocks)
-        self.layers = CompiledLayers(stack.layers, stack.rotary_emb, kv_cache, self.dtype, max_step_rows)
-        self.dense_rows = self.layers.dense_rows
+        self.layers = CompiledLayers(stack.layers, stack.rotary_emb, kv_cache, self.dtype, max_step_rows,
+                                     batch_invariant)
+        self.dense_rows, self.batch_invariant = self.layers.dense_rows, batch_invariant
         head = model.lm_head
-        self.head = dense_weight(head.weight) if type(head) is nn.Linear and head.bias is None else None
+        self.head = (dense_weight(head.weight, panels=not batch_invariant)
+                     if type(head) is nn.Linear and head.bias is None else None)
         if self.head is not None and self.head.dim() == 5:
             self.head = huge_pages.onto_huge_pages([self.head])[0]
 

@@ -16,7 +16,7 @@ bool dense_panels_supported();
 torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
                               const torch::Tensor& block_table, const torch::Tensor& query_start_loc,
                               const torch::Tensor& seq_lens, double scale, int64_t window,
-                              double k_scale, double v_scale, const at::Tensor& tree_bits);
+                              double k_scale, double v_scale, const at::Tensor& tree_bits, bool invariant);
 }  // namespace llmopt
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -27,7 +27,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dense_matmul", &llmopt::dense_matmul, "y = x @ W^T, W dense bf16 or fp32 [N, K] (a few rows of x) or bf16 panels [N / 32, K / 2, 2, 16, 2] (any), summed in float32, returned in x's dtype");
   m.def("dense_panels_supported", &llmopt::dense_panels_supported, "whether this build runs bf16 weight panels (AVX-512)");
   m.def("quantize_activations", &llmopt::quantize_activations, "x per 32 values to int8 (Q8_0 / Q8_1)");
-  m.def("paged_attention", &llmopt::paged_attention, "paged attention over the block pool");
+  m.def("paged_attention", &llmopt::paged_attention, "paged attention over the block pool (invariant: each row's "
+        "arithmetic independent of the rest of the batch)");
   // One decoder layer's weights and pool, named (decode_step.h); an empty bias tensor means none.
   py::class_<llmopt::Linear>(m, "Linear")
       .def(py::init([](int64_t kind, at::Tensor w, at::Tensor qs, at::Tensor d, at::Tensor mn, at::Tensor bias,

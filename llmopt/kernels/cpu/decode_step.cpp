@@ -29,7 +29,8 @@ at::Tensor kquant_matmul(const at::Tensor& x, const at::Tensor& qs, const std::v
 at::Tensor dense_matmul(const at::Tensor& x, const at::Tensor& w);
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                            const at::Tensor& block_table, const at::Tensor& query_start_loc,
-                           const at::Tensor& seq_lens, double scale, int64_t window, double k_scale, double v_scale, const at::Tensor& tree_bits);
+                           const at::Tensor& seq_lens, double scale, int64_t window, double k_scale, double v_scale, const at::Tensor& tree_bits,
+                           bool invariant);
 
 namespace {
 
@@ -115,7 +116,7 @@ void add_into(T* h, const T* y, int64_t n) {
 template <typename T>
 void run_layers(at::Tensor& h, const at::Tensor& cos, const at::Tensor& ssin, const std::vector<DecoderLayer>& layers,
                 const at::Tensor& slots, const at::Tensor& block_table, const at::Tensor& qsl, const at::Tensor& seq_lens,
-                const at::Tensor& tree_bits, int64_t Hq, int64_t Hkv, int64_t D, double eps) {
+                const at::Tensor& tree_bits, int64_t Hq, int64_t Hkv, int64_t D, double eps, bool invariant) {
   const int64_t T_ = h.size(0), H = h.size(1);
   const int64_t q_size = Hq * D, kv_size = Hkv * D;
   const double scale = 1.0 / std::sqrt(double(D));
@@ -130,7 +131,7 @@ void run_layers(at::Tensor& h, const at::Tensor& cos, const at::Tensor& ssin, co
     write_slots<T>(p + q_size + kv_size, stride, l.v_pool, slots.data_ptr<int64_t>(), T_, kv_size);
     at::Tensor q = qkv.narrow(1, 0, q_size).contiguous().view({T_, Hq, D});
     at::Tensor attn = paged_attention(q, l.k_pool, l.v_pool, block_table, qsl, seq_lens, scale, l.window,
-                                      l.k_scale, l.v_scale, tree_bits);
+                                      l.k_scale, l.v_scale, tree_bits, invariant);
     at::Tensor o = apply(l.o, attn.view({T_, q_size})).contiguous();
     add_into<T>(h.data_ptr<T>(), o.data_ptr<T>(), T_ * H);
     x = rms_norm<T>(h, l.post_attention_norm, eps);
@@ -151,10 +152,12 @@ void run_layers(at::Tensor& h, const at::Tensor& cos, const at::Tensor& ssin, co
 // h [T, hidden] (the token embeddings; updated in place to the last layer's output, before the
 // final norm). A step may bring several new tokens per sequence (speculative verification: a
 // chain of drafts, or a draft tree under `tree_bits`, paged_attention.cpp; empty: causal).
+// `invariant`: the attention's batch-invariant mode (paged_attention.cpp); the linears are made
+// invariant by how they are handed over (one kernel at every row count, compiled_decode.py).
 void decode_layers(at::Tensor h, const at::Tensor& cos, const at::Tensor& ssin, const std::vector<DecoderLayer>& layers,
                    const at::Tensor& slots, const at::Tensor& block_table, const at::Tensor& qsl,
                    const at::Tensor& seq_lens, const at::Tensor& tree_bits, int64_t num_heads, int64_t num_kv_heads,
-                   int64_t head_dim, double eps) {
+                   int64_t head_dim, double eps, bool invariant) {
   TORCH_CHECK_VALUE(h.dim() == 2 && h.is_contiguous(), "h must be contiguous [tokens, hidden]");
   TORCH_CHECK_VALUE(h.scalar_type() == at::kFloat || h.scalar_type() == at::kBFloat16,
                     "the compiled decode step runs float32 or bfloat16, got ", h.scalar_type());
@@ -165,10 +168,10 @@ void decode_layers(at::Tensor h, const at::Tensor& cos, const at::Tensor& ssin, 
   at::Tensor hh = h;
   if (h.scalar_type() == at::kFloat)
     run_layers<float>(hh, cos, ssin, layers, slots, block_table, qsl, seq_lens, tree_bits, num_heads, num_kv_heads,
-                      head_dim, eps);
+                      head_dim, eps, invariant);
   else
     run_layers<at::BFloat16>(hh, cos, ssin, layers, slots, block_table, qsl, seq_lens, tree_bits, num_heads,
-                             num_kv_heads, head_dim, eps);
+                             num_kv_heads, head_dim, eps, invariant);
 }
 
 }  // namespace llmopt

@@ -38,6 +38,6 @@ struct DecoderLayer {
 void decode_layers(at::Tensor h, const at::Tensor& cos, const at::Tensor& ssin, const std::vector<DecoderLayer>& layers,
                    const at::Tensor& slots, const at::Tensor& block_table, const at::Tensor& qsl,
                    const at::Tensor& seq_lens, const at::Tensor& tree_bits, int64_t num_heads, int64_t num_kv_heads,
-                   int64_t head_dim, double eps);
+                   int64_t head_dim, double eps, bool invariant);
 
 }  // namespace llmopt

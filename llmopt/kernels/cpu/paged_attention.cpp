@@ -6,6 +6,11 @@
 // slices run by different threads, each keeping its own running max, sum and fp32 output
 // (FlashAttention's online softmax), merged at the end (flash-decoding). Threads take items
 // from a shared counter, largest first, so one long prompt does not leave the others idle.
+// Batch-invariant mode (`invariant`, llmopt/worker/compiled_decode.py): a query row's arithmetic
+// must not depend on what else the step holds. The slices above are then cut at fixed positions
+// (multiples of INVARIANT_SLICE keys, whatever the threads or the other items), every item is
+// merged through the same rescale-and-divide (one slice or many), and decode rows take the same
+// loop as prompt rows: a row's result is a function of its own query and keys alone.
 // Only keys a query may see are read (position <= its own, inside the window), so nothing a
 // slot held before its token was written (another request's NaN) can reach an output.
 //
@@ -38,6 +43,8 @@ constexpr int64_t MIN_SLICE = 128;   // keys per slice, at least: below this mer
 // against 2 threads: benchmarks/README.md, "Measurements behind the code's choices").
 constexpr int64_t SERIAL_MAX_COST = 512;
 constexpr int64_t TREE_KEYS = 64;    // a tree row's mask covers its sequence's last 64 keys
+// Batch-invariant mode's slice: keys are cut at its multiples, a long context still spread over threads.
+constexpr int64_t INVARIANT_SLICE = 256;
 
 enum KVFormat { KV_F32, KV_BF16, KV_E4M3, KV_E5M2 };
 
@@ -88,7 +95,7 @@ struct Item {
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                               const at::Tensor& block_table, const at::Tensor& query_start_loc,
                               const at::Tensor& seq_lens, double scale, int64_t window,
-                              double k_scale, double v_scale, const at::Tensor& tree_bits) {
+                              double k_scale, double v_scale, const at::Tensor& tree_bits, bool invariant) {
   RECORD_FUNCTION("llmopt::paged_attention", std::vector<c10::IValue>());  // a named row in torch.profiler
   TORCH_CHECK_VALUE(q.dim() == 3 && q.is_contiguous() &&
                     (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16),
@@ -162,7 +169,20 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const 
   struct Merge { int64_t first, count; Item whole; };
   std::vector<Merge> merges;
   int64_t parts = 0;
-  if (threads > 1 && base > 0 && base < 2 * threads) {
+  if (invariant) {   // every item cut at multiples of INVARIANT_SLICE and merged, even when whole
+    std::vector<Item> sliced;
+    for (const Item& it : items) {
+      const int64_t first = it.k0 / INVARIANT_SLICE, last = (it.k1 - 1) / INVARIANT_SLICE;
+      merges.push_back({parts, last - first + 1, it});
+      for (int64_t j = first; j <= last; ++j) {
+        Item p = it;
+        p.k0 = std::max(it.k0, j * INVARIANT_SLICE); p.k1 = std::min(it.k1, (j + 1) * INVARIANT_SLICE);
+        p.part = parts++; p.cost = (p.k1 - p.k0) * (it.q1 - it.q0);
+        sliced.push_back(p);
+      }
+    }
+    items.swap(sliced);
+  } else if (threads > 1 && base > 0 && base < 2 * threads) {
     const int64_t want = (2 * threads + base - 1) / base;
     std::vector<Item> sliced;
     for (const Item& it : items) {
@@ -217,7 +237,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const 
       const int64_t masked_from = L - TREE_KEYS;  // a tree row's bits cover the keys from here
       bool in_registers = false;  // one new token's rows (paged_attention_avx512.h, 1)
 #ifdef LLMOPT_ATTN_AVX512
-      if (nq == 1 && !tree && (fmt == KV_F32 || fmt == KV_BF16)) {
+      if (nq == 1 && !tree && !invariant && (fmt == KV_F32 || fmt == KV_BF16)) {
         const int32_t* blocks = table + it.seq * max_blocks;
         auto block_at = [&](int64_t b) { return (size_t(blocks[b]) * BS * Hkv + it.kv_head) * D * elem; };
         const size_t key_stride = Hkv * D * elem;

@@ -24,7 +24,7 @@ def paged_attention_cpu(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Ten
                         block_table: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                         scale: float, window: int | None = None,
                         k_scale: float = 1.0, v_scale: float = 1.0,
-                        tree_bits: torch.Tensor | None = None) -> torch.Tensor:
+                        tree_bits: torch.Tensor | None = None, batch_invariant: bool = False) -> torch.Tensor:
     """Attention of flat queries over paged keys and values; returns [T, Hq, D] in q's dtype.
 
     q: [T, Hq, D] float32 or bfloat16, the new tokens of every sequence one after another;
@@ -41,6 +41,12 @@ def paged_attention_cpu(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Ten
     tree_bits: [T] int64 or None, a draft tree's mask (llmopt/spec/draft_tree.py `mask_bits`):
     bit j of row t set when query t may see the key at seq_len - 64 + j of its sequence, -1 for
     a causal row. A tree row sees every earlier key and, of the last 64, those bits only.
+
+    batch_invariant: each query row's arithmetic independent of the rest of the call (the other
+    sequences, its own tile of queries, the threads): long contexts are cut into slices at fixed
+    key positions and every row merged the same way (paged_attention.cpp). Off, the slices follow
+    the step's work and one-token rows take their own vector path: faster, and a row's last bits
+    may change with its neighbours.
     """
     for name, t, dtypes in (("q", q, QUERY_DTYPES), ("k_pool", k_pool, POOL_DTYPES), ("v_pool", v_pool, POOL_DTYPES)):
         if t.dtype not in dtypes or t.device.type != "cpu":
@@ -56,4 +62,5 @@ def paged_attention_cpu(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Ten
                                    window, k_scale, v_scale, tree_bits)
     return ext.paged_attention(q.contiguous(), k_pool, v_pool, block_table, query_start_loc, seq_lens,
                                float(scale), 0 if window is None else window, float(k_scale), float(v_scale),
-                               torch.empty(0, dtype=torch.int64) if tree_bits is None else tree_bits.contiguous())
+                               torch.empty(0, dtype=torch.int64) if tree_bits is None else tree_bits.contiguous(),
+                               bool(batch_invariant))
