@@ -22,11 +22,10 @@ import argparse
 import json
 import random
 import sys
-import time
 from pathlib import Path
 
 from llmopt import LLM, SamplingParams
-from llmopt.bench.common import load_average, machine, table
+from llmopt.bench.common import load_average, machine, output_tokens_per_second, table
 from llmopt.model.registry import heldout_text
 
 ENGINE = dict(model="smollm2", dtype="bfloat16", enable_chunked_prefill=True, max_num_batched_tokens=128,
@@ -74,9 +73,7 @@ def speed(llm: LLM, seqs: int, new_tokens: int = 64) -> float:
     rng = random.Random(1)
     prompts = [" ".join(rng.choice(WORDS) for _ in range(48)) for _ in range(seqs)]
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
-    t = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t)
+    return output_tokens_per_second(llm, prompts, params)
 
 
 def main(argv=None) -> None:

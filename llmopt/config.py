@@ -16,7 +16,7 @@ import torch
 
 DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
           "float16": torch.float16, "half": torch.float16}
-KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "int8", "int4")
 KV_SCALE_STRATEGIES = ("tensor", "attn_head")  # calculate_kv_scales besides True / False
 QUANTIZATION = (None, "fp8", "int8", "gguf")
 LOAD_FORMATS = ("auto", "dummy")  # vLLM's names: the checkpoint's weights, or random ones of its shape

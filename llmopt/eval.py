@@ -2,9 +2,9 @@
 
     perplexity = exp( mean over tokens of  -log p(token | the tokens before it) )
 
-It is measured through a running `LLM`'s own model and its own KV cache, so whatever the
-engine does to the numbers (quantized weights, an FP8 cache, a different dtype) shows in
-the result. The text is cut into windows of `seq_len` tokens; each window is fed in
+It is measured through a running `LLM`'s own model, its own KV cache and its own step (the
+compiled CPU step where the engine runs one), so whatever the engine does to the numbers
+(quantized weights, an FP8 or int4 cache, a different dtype, its kernels) shows in the result. The text is cut into windows of `seq_len` tokens; each window is fed in
 chunks of `chunk_size` tokens, so the queries of later chunks read keys and values back
 from the paged cache exactly as a long prompt's later chunks do in serving.
 
@@ -135,11 +135,11 @@ def _score_windows(engine, windows: list[list[int]], chunk_size: int, per_token:
     """(summed NLL, count) of each window's tokens 1..end, run through the engine's model and cache;
     with per_token, each window's [tokens - 1, 2] float tensor instead: (log-probability of the
     token that follows, the best log-probability at that position)."""
-    from llmopt.model.forward import run_model
     from llmopt.sampling_params import SamplingParams
     from llmopt.sequence import Sequence
 
     bm, runner = engine.block_manager, engine.runner
+    step = runner.backend  # the engine's own forward and head: what it serves
     seqs = [Sequence(f"__perplexity_{i}", None, w[:-1], SamplingParams(max_tokens=1))
             for i, w in enumerate(windows)]
     targets = [torch.tensor(w[1:], device=engine.device) for w in windows]
@@ -154,8 +154,7 @@ def _score_windows(engine, windows: list[list[int]], chunk_size: int, per_token:
             live = [i for i, s in enumerate(seqs) if len(s) > start]
             scheduled = [(seqs[i], min(chunk_size, len(seqs[i]) - start)) for i in live]
             input_ids, meta = runner.prepare(scheduled, bm.block_tables)
-            hidden = run_model(engine.model, engine.kv_cache, input_ids, meta)
-            logits = engine.model.compute_logits(hidden)
+            logits = step.compute_logits(step.forward(input_ids, meta)).float()
             gold = torch.cat([targets[i][start:start + n] for i, (_, n) in zip(live, scheduled)])
             nll = torch.nn.functional.cross_entropy(logits, gold, reduction="none")
             if per_token:  # the best log-probability is the logit's max minus the same logsumexp

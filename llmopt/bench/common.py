@@ -149,6 +149,13 @@ class Clock:
         return cls(time.perf_counter() - t0[0], time.process_time() - t0[1])
 
 
+def output_tokens_per_second(llm, prompts: list, params) -> float:
+    """One `generate` call over `prompts`: the tokens it produced a second of wall time."""
+    t = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t)
+
+
 def run_engine(llm, requests: list[BenchRequest], progress: bool) -> tuple[Clock, list]:
     t0 = Clock.start()
     outs = llm.generate([r.prompt() for r in requests], [r.params() for r in requests],

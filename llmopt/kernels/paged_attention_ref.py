@@ -12,13 +12,18 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                         seq_lens: torch.Tensor, scale: float,
                         sliding_window: int | None = None,
                         k_scale: float = 1.0, v_scale: float = 1.0,
-                        tree_bits: torch.Tensor | None = None) -> torch.Tensor:
+                        tree_bits: torch.Tensor | None = None, k_scales: torch.Tensor | None = None,
+                        v_scales: torch.Tensor | None = None) -> torch.Tensor:
     """The reference: one sequence at a time, gather its keys and values, masked softmax.
 
     Keys and values are read as fp32 times their scale (1.0 for a cache in the model's dtype).
     tree_bits ([T] int64, a draft tree's mask): a row other than -1 sees, of its sequence's last
     64 keys, only those whose bit is set (bit j: the key at seq_len - 64 + j).
+    An int8 / int4 pool is read as its codes times k_scales / v_scales (llmopt/kernels/int_kv_ref.py).
     """
+    from llmopt.kernels.int_kv_ref import int_kv_bits, read_keys, read_values
+
+    bits = int_kv_bits(k_cache.dtype)
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = q.shape[1] // num_kv_heads
     out = torch.empty_like(q)
@@ -29,8 +34,12 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         # Follow the block table: the sequence's blocks, in order, then drop the unused
         # tail of its last block.
         blocks = block_tables[i, :(seq_len + block_size - 1) // block_size].long()
-        k = k_cache[blocks].flatten(0, 1)[:seq_len].float() * k_scale   # [seq_len, Hkv, D]
-        v = v_cache[blocks].flatten(0, 1)[:seq_len].float() * v_scale
+        if bits is None:
+            k = k_cache[blocks].flatten(0, 1)[:seq_len].float() * k_scale   # [seq_len, Hkv, D]
+            v = v_cache[blocks].flatten(0, 1)[:seq_len].float() * v_scale
+        else:
+            k = read_keys(k_cache, k_scales, blocks, bits).flatten(0, 1)[:seq_len]
+            v = read_values(v_cache, v_scales, blocks, bits).flatten(0, 1)[:seq_len]
         k = k.repeat_interleave(group, dim=1)                      # GQA: [seq_len, Hq, D]
         v = v.repeat_interleave(group, dim=1)
 

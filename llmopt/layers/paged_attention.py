@@ -12,7 +12,8 @@ sequence's keys are found through its block table. Three implementations, one si
             each key read once for its query heads, long contexts split across threads;
     triton  the Triton kernels (llmopt/kernels/paged_attention.py), on CUDA.
 
-An FP8 pool is read as fp8 * scale. A draft tree's step (`meta.tree_masks`) goes through the
+An FP8 pool is read as fp8 * scale; an int8 / int4 pool as codes times their group scales
+(llmopt/kernels/int_kv_ref.py), by the C++ kernel or, in torch, a sequence's blocks at a time. A draft tree's step (`meta.tree_masks`) goes through the
 kernels under their 64-bit masks (`meta.tree_bits`), and through the masked torch path where
 the tree is too large for them: the one choice made per step.
 """
@@ -24,6 +25,7 @@ import torch.nn.functional as F
 
 from llmopt.kernels import cpu
 from llmopt.kernels.cpu.paged_attention import POOL_DTYPES, QUERY_DTYPES, paged_attention_cpu
+from llmopt.kernels.int_kv_ref import read_keys, read_values
 from llmopt.kernels.paged_attention import FP8_DTYPES, SUPPORTED_HEAD_DIMS
 from llmopt.kernels.paged_attention import paged_attention as paged_attention_triton
 from llmopt.layers.attention import AttentionMetadata, causal_mask, sequence_attention
@@ -33,9 +35,10 @@ def paged_attention_kernel_cpu(q, k, v, meta, cache, layer: int, scale: float, w
     """The C++ kernel reads the block tables directly."""
     if meta.tree_masks is not None and (meta.tree_bits is None or window is not None):  # step choice: attention
         return paged_attention_torch(q, k, v, meta, cache, layer, scale, window)
+    ints = {} if cache.int_bits is None else dict(k_scales=cache.k_scales[layer], v_scales=cache.v_scales[layer])
     return paged_attention_cpu(q, cache.k[layer], cache.v[layer], meta.block_table_tensor, meta.query_start_loc,
                                meta.seq_lens_tensor, scale, window, cache.k_scale[layer], cache.v_scale[layer],
-                               tree_bits=meta.tree_bits)
+                               tree_bits=meta.tree_bits, **ints)
 
 
 def paged_attention_kernel_triton(q, k, v, meta, cache, layer: int, scale: float, window=None):
@@ -68,6 +71,8 @@ def paged_attention_torch(q, k, v, meta, cache, layer: int, scale: float, window
     """The torch path: decodes gathered in groups of similar length into one padded batch each
     (one SDPA call per group), prompts and chunks one at a time; draft trees under their masks.
     It is the kernels' reference too."""
+    if getattr(cache, "int_bits", None) is not None:
+        return paged_int_attention(q, meta, cache, layer, scale, window)
     K, V, ks, vs = cache.k[layer], cache.v[layer], cache.k_scale[layer], cache.v_scale[layer]
     block_size = cache.block_size
     if meta.tree_masks is not None:  # step choice: attention (a draft tree's masks)
@@ -128,6 +133,30 @@ def paged_masked_attention(q, K, V, ks, vs, meta: AttentionMetadata, block_size:
         probs = scores.softmax(-1).to(q.dtype).view(num_kv_heads, n * group, total)
         heads = torch.bmm(probs, values.transpose(0, 1)).view(num_kv_heads, n, group, head_dim)
         out[start:start + n] = heads.transpose(0, 1).reshape(n, -1, head_dim)
+        start += n
+    return out
+
+
+def paged_int_attention(q, meta: AttentionMetadata, cache, layer: int, scale: float, window=None):
+    """An int8 / int4 pool in torch: each sequence's blocks dequantized (codes times their scales,
+    llmopt/kernels/int_kv_ref.py), then its queries attend causally (or under its draft tree's mask)."""
+    out = torch.empty_like(q)
+    bits, block_size = cache.int_bits, cache.block_size
+    num_kv_heads = cache.k[layer].shape[2]
+    start = 0
+    for i, (n, total) in enumerate(zip(meta.query_lens, meta.seq_lens)):
+        blocks = torch.tensor(meta.block_tables[i][:-(-total // block_size)], device=q.device)
+        keys = read_keys(cache.k[layer], cache.k_scales[layer], blocks, bits).flatten(0, 1)[:total].to(q.dtype)
+        values = read_values(cache.v[layer], cache.v_scales[layer], blocks, bits).flatten(0, 1)[:total].to(q.dtype)
+        mask = None if meta.tree_masks is None else meta.tree_masks[i]
+        if mask is None:
+            out[start:start + n] = sequence_attention(q[start:start + n], keys, values, scale, window)
+        else:
+            group = q.shape[1] // num_kv_heads
+            k_, v_ = keys.repeat_interleave(group, 1).float(), values.repeat_interleave(group, 1).float()
+            scores = torch.einsum("qhd,khd->hqk", q[start:start + n].float(), k_) * scale
+            probs = scores.masked_fill(~mask[None], float("-inf")).softmax(-1)
+            out[start:start + n] = torch.einsum("hqk,khd->qhd", probs, v_).to(q.dtype)
         start += n
     return out
 

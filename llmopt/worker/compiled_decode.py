@@ -19,7 +19,7 @@ eager path's elementwise passes over the prompt's rows, a 512-token prompt of Sm
 running faster here than eagerly; mixed steps; speculative verification steps, a sequence's
 last token plus its k drafts, a chain or an EAGLE-2 tree under its tree mask: the step that must
 cost about one decode step for speculation to pay), for Llama-family models whose linears are
-dense or GGUF blocks and whose KV pool is in the model's dtype or bfloat16; anything else (FP8 pools, other
+dense or GGUF blocks and whose KV pool is in the model's dtype, bfloat16, int8 or int4; anything else (FP8 pools, other
 quantized layers, draft trees too large for the kernels' masks, tensor or pipeline parallelism)
 runs eagerly, and `why_not` says which. A draft model or an EAGLE head drafts through the same
 call (`CompiledLayers`), so a speculative step has no eager stretch left.
@@ -89,8 +89,10 @@ def why_not_layers(layers, dtype, kv_cache, device) -> str | None:
         return "the compiled decode step is for the CPU (CUDA would capture a graph)"
     if dtype not in (torch.float32, torch.bfloat16):
         return f"dtype {dtype} (it runs float32 and bfloat16)"
-    if getattr(kv_cache, "layout", None) != "paged" or kv_cache.cache_dtype not in (dtype, torch.bfloat16):
-        return "the KV pool is not a paged pool in the model's dtype or bfloat16 (FP8 pools decode eagerly)"
+    if getattr(kv_cache, "layout", None) != "paged" or kv_cache.cache_dtype not in (dtype, torch.bfloat16) and \
+            getattr(kv_cache, "int_bits", None) is None:
+        return ("the KV pool is not a paged pool in the model's dtype, bfloat16, int8 or int4 "
+                "(FP8 pools decode eagerly)")
     if getattr(kv_cache, "rotation", None) is not None:
         return "the KV pool is rotated (PagedKVCache.rotate); the compiled step turns nothing"
     for layer in layers:
@@ -165,13 +167,17 @@ class CompiledLayers:
                               int8=lin.activations == "int8", max_rows=max_rows, dense_rows=self.dense_rows,
                               part_kinds=kinds, part_rows=rows)
 
-        # the pool is in the model's dtype (why_not refuses FP8 pools): unit scales
+        # the pool is in the model's dtype or int8 / int4 with its group scales (why_not refuses FP8
+        # pools): unit per-layer scales
+        no_scales = torch.empty(0, dtype=torch.uint8)
         self.layers = [ext.DecoderLayer(
             input_norm=layer.input_layernorm.weight.detach(),
             post_attention_norm=layer.post_attention_layernorm.weight.detach(),
             **{name: linear(lin) for name, lin in ls.items()},
             k_pool=kv_cache.k[i], v_pool=kv_cache.v[i], k_scale=1.0, v_scale=1.0,
-            window=0 if layer.self_attn.window is None else int(layer.self_attn.window))
+            window=0 if layer.self_attn.window is None else int(layer.self_attn.window),
+            k_scales=no_scales if kv_cache.k_scales is None else kv_cache.k_scales[i],
+            v_scales=no_scales if kv_cache.v_scales is None else kv_cache.v_scales[i])
             for i, (layer, ls) in enumerate(zip(layers, linears))]
 
     def run(self, h: torch.Tensor, meta: AttentionMetadata) -> None:

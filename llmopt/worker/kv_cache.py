@@ -24,6 +24,11 @@ checkpoint (as llm-compressor and vLLM name them), from calibration (the largest
 or are 1.0. `rotate()` makes the pool hold keys and values turned by a Hadamard matrix
 (queries turn alike, so attention is unchanged), which spreads a key's few large channels
 over all of them before FP8 rounds them.
+
+Below 8 bits (`kv_cache_dtype="int8"` or `"int4"`): the pool holds integer codes, keys grouped
+per block and channel and values per token and 32 or 64 channels (KIVI's grouping; the format,
+the write and the read are llmopt/kernels/int_kv_ref.py), the groups' scales (and int4's minimums)
+in `k_scales` / `v_scales` beside the codes.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import torch
 
 from llmopt.fp8.format import FP8_DTYPES, KV_CACHE_FP8_DTYPES, is_fp8, quantize_fp8, scale_from_amax
 from llmopt.fp8.kv_scales import read_kv_scales
+from llmopt.kernels.int_kv_ref import INT_KV_DTYPES, bytes_per_token, code_width, int_kv_bits, scale_shapes, write_int_kv
 from llmopt.layers.attention import AttentionMetadata, KVCache, contiguous_attention
 from llmopt.layers.paged_attention import PAGED_ATTENTION, pick_paged_attention
 from llmopt.model.forward import run_model
@@ -132,8 +138,13 @@ def kv_cache_torch_dtype(kv_cache_dtype: str | torch.dtype, model_dtype: torch.d
         return kv_cache_dtype
     if isinstance(kv_cache_dtype, str) and kv_cache_dtype in KV_CACHE_FP8_DTYPES:
         return KV_CACHE_FP8_DTYPES[kv_cache_dtype]
+    # int8: int8 codes; int4: two codes a uint8 byte (llmopt/kernels/int_kv_ref.py)
+    if isinstance(kv_cache_dtype, str) and kv_cache_dtype in INT_KV_DTYPES:
+        return INT_KV_DTYPES[kv_cache_dtype]
+    if kv_cache_dtype in INT_KV_DTYPES.values():
+        return kv_cache_dtype
     raise ValueError(f"kv_cache_dtype must be 'auto', 'bfloat16', {', '.join(map(repr, KV_CACHE_FP8_DTYPES))}, "
-                     f"got {kv_cache_dtype!r}")
+                     f"'int8' or 'int4', got {kv_cache_dtype!r}")
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -166,14 +177,22 @@ class PagedKVCache(KVCache):
                  kv_cache_dtype: str | torch.dtype = "auto", kernels: bool = True):
         self.dtype = dtype                                              # attention's dtype
         self.cache_dtype = kv_cache_torch_dtype(kv_cache_dtype, dtype)  # the pool's dtype
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.int_bits = int_kv_bits(self.cache_dtype)  # 8 or 4 for an int pool, else None
+        width = head_dim if self.int_bits is None else code_width(head_dim, self.int_bits)
+        shape = (num_blocks, block_size, num_kv_heads, width)
         # Empty, not zeros: nothing ever reads a slot before its token's key and value are
         # written there (the torch path gathers only written slots, the kernels mask the rest),
         # so a slot's old contents, even a NaN a failed request left behind, never reach
         # another request; and a CPU pool of gigabytes costs memory only as it fills.
         self.k = [torch.empty(shape, dtype=self.cache_dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.empty(shape, dtype=self.cache_dtype, device=device) for _ in range(num_layers)]
-        self.num_blocks, self.block_size = num_blocks, block_size
+        self.num_blocks, self.block_size, self.head_dim = num_blocks, block_size, head_dim
+        # an int pool's groups: keys per block and channel, values per slot and group of channels
+        self.k_scales = self.v_scales = None
+        if self.int_bits is not None:
+            (ks, kd), (vs, vd) = scale_shapes(num_blocks, block_size, num_kv_heads, head_dim, self.int_bits)
+            self.k_scales = [torch.zeros(ks, dtype=kd, device=device) for _ in range(num_layers)]
+            self.v_scales = [torch.zeros(vs, dtype=vd, device=device) for _ in range(num_layers)]
         # Per layer, one scale for all keys and one for all values (1.0: stored as is).
         self.k_scale = [1.0] * num_layers
         self.v_scale = [1.0] * num_layers
@@ -198,6 +217,10 @@ class PagedKVCache(KVCache):
         self.attention, self.attend = name, PAGED_ATTENTION[name]
 
     def store(self, layer, k, v, meta):
+        if self.int_bits is not None:
+            write_int_kv(k, v, self.k[layer], self.v[layer], self.k_scales[layer], self.v_scales[layer],
+                         meta.slot_mapping, self.int_bits)
+            return
         if self.k_shift is not None:  # smoothed keys: what the pool holds is k - shift
             k = k - self.k_shift[layer].to(k.dtype)
         write_kv(k, v, self.k[layer], self.v[layer], meta.slot_mapping,
@@ -240,7 +263,7 @@ class PagedKVCache(KVCache):
         compiled step declines a rotated pool (it has no rotation in it), so it decodes eagerly."""
         from llmopt.layers.hadamard import random_hadamard
 
-        self.rotation = random_hadamard(self.k[0].shape[3], seed).to(torch.float32).to(self.k[0].device)
+        self.rotation = random_hadamard(self.head_dim, seed).to(torch.float32).to(self.k[0].device)
 
     def calibrate(self, model, token_ids: list[list[int]], per_head: bool = False,
                   smooth_keys: bool = False, per_channel: bool = False, rotate: bool = False) -> None:
@@ -271,6 +294,9 @@ class PagedKVCache(KVCache):
 
     @staticmethod
     def bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype) -> int:
+        bits = int_kv_bits(dtype)
+        if bits is not None:  # codes, the keys' groups per block and channel, the values' per slot
+            return round(num_layers * block_size * bytes_per_token(num_kv_heads, head_dim, bits, block_size))
         return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
@@ -278,7 +304,7 @@ class PagedKVCache(KVCache):
         copy-on-write of a partly matched block). Stored bytes are copied, FP8 ones too."""
         src = torch.tensor([s for s, _ in pairs], device=self.k[0].device)
         dst = torch.tensor([d for _, d in pairs], device=self.k[0].device)
-        for pool in self.k + self.v:
+        for pool in self.k + self.v + (self.k_scales or []) + (self.v_scales or []):
             pool[dst] = pool[src]
 
 

@@ -259,7 +259,7 @@ def test_bad_kv_cache_types_and_scales_are_refused():
     with pytest.raises(ValueError, match="the model's dtype cannot be torch.float8_e4m3fn"):
         PagedKVCache(1, 4, 8, 1, 16, dtype=torch.float8_e4m3fn)
     with pytest.raises(ValueError, match="kv_cache_dtype must be 'auto', 'bfloat16', 'fp8'"):
-        kv_cache_torch_dtype("int8", torch.float32)
+        kv_cache_torch_dtype("int2", torch.float32)
     with pytest.raises(ValueError, match="kv_cache_dtype must be"):
         kv_cache_torch_dtype(torch.float16, torch.float32)
     assert kv_cache_torch_dtype(torch.float8_e5m2, torch.bfloat16) == torch.float8_e5m2

@@ -30,7 +30,7 @@ from typing import Callable
 
 SOURCES = ("bindings.cpp", "dense_matmul.cpp", "dense_panels.cpp", "gguf_matmul.cpp", "gguf_panels.cpp",
            "kquant_matmul.cpp", "paged_attention.cpp", "decode_step.cpp")
-HEADERS = ("common.h", "decode_step.h", "gguf_rows_avx2.h", "gguf_rows.h", "gguf_vnni.h", "gguf_panels.h", "kquant_rows.h",
+HEADERS = ("common.h", "decode_step.h", "int_kv.h", "gguf_rows_avx2.h", "gguf_rows.h", "gguf_vnni.h", "gguf_panels.h", "kquant_rows.h",
            "paged_attention_avx512.h", "paged_attention_prompt.h")
 BASE_CFLAGS = ("-O3", "-fopenmp", "-std=c++17")
 # The host's own vector instructions, unless PyTorch is pinned to an ISA (ATEN_CPU_CAPABILITY, as

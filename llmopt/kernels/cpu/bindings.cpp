@@ -2,6 +2,7 @@
 #include <torch/extension.h>
 
 #include "decode_step.h"
+#include "int_kv.h"
 
 namespace llmopt {
 torch::Tensor gguf_matmul(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& d,
@@ -16,7 +17,8 @@ bool dense_panels_supported();
 torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
                               const torch::Tensor& block_table, const torch::Tensor& query_start_loc,
                               const torch::Tensor& seq_lens, double scale, int64_t window,
-                              double k_scale, double v_scale, const at::Tensor& tree_bits, bool invariant);
+                              double k_scale, double v_scale, const at::Tensor& tree_bits, bool invariant,
+                              const at::Tensor& k_scales, const at::Tensor& v_scales);
 }  // namespace llmopt
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -44,13 +46,28 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<llmopt::DecoderLayer>(m, "DecoderLayer")
       .def(py::init([](at::Tensor input_norm, at::Tensor post_attention_norm, llmopt::Linear qkv, llmopt::Linear o,
                        llmopt::Linear gate_up, llmopt::Linear down, at::Tensor k_pool, at::Tensor v_pool,
-                       double k_scale, double v_scale, int64_t window) {
+                       double k_scale, double v_scale, int64_t window, at::Tensor k_scales, at::Tensor v_scales) {
              return llmopt::DecoderLayer{input_norm, post_attention_norm, qkv, o, gate_up, down, k_pool, v_pool,
-                                         k_scale, v_scale, window};
+                                         k_scale, v_scale, window, k_scales, v_scales};
            }),
            py::arg("input_norm"), py::arg("post_attention_norm"), py::arg("qkv"), py::arg("o"), py::arg("gate_up"),
            py::arg("down"), py::arg("k_pool"), py::arg("v_pool"), py::arg("k_scale"), py::arg("v_scale"),
-           py::arg("window"));
+           py::arg("window"), py::arg("k_scales"), py::arg("v_scales"));
+  // the int8 / int4 pool's write (int_kv.h) on its own, for the tests that hold it to the torch one
+  m.def("write_int_kv", [](const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots, const at::Tensor& k_pool,
+                           const at::Tensor& v_pool, const at::Tensor& k_scales, const at::Tensor& v_scales) {
+    TORCH_CHECK_VALUE(k.dim() == 3 && k.sizes() == v.sizes() && k.is_contiguous() && v.is_contiguous() &&
+                      k.scalar_type() == v.scalar_type() && slots.scalar_type() == at::kLong && slots.is_contiguous() &&
+                      (k_pool.scalar_type() == at::kChar || k_pool.scalar_type() == at::kByte),
+                      "expected k, v [T, Hkv, D] contiguous, int64 slots and int8 / uint8 pools");
+    const int64_t T = k.size(0), H = k.size(1), D = k.size(2);
+    if (k.scalar_type() == at::kFloat)
+      llmopt::intkv::write<float>(k.data_ptr<float>(), v.data_ptr<float>(), H * D, slots.data_ptr<int64_t>(), T,
+                                  k_pool, v_pool, k_scales, v_scales, H, D);
+    else
+      llmopt::intkv::write<at::BFloat16>(k.data_ptr<at::BFloat16>(), v.data_ptr<at::BFloat16>(), H * D,
+                                         slots.data_ptr<int64_t>(), T, k_pool, v_pool, k_scales, v_scales, H, D);
+  }, "new keys and values into an int8 / int4 pool (llmopt/kernels/int_kv_ref.py's write_int_kv)");
   m.def("decode_layers", &llmopt::decode_layers, "every decoder layer of a decode (or verification) step, in one call");
   m.def("simd", []() {
 #if defined(__AVX512BF16__)

@@ -20,6 +20,7 @@
 
 #include "common.h"
 #include "decode_step.h"
+#include "int_kv.h"
 
 namespace llmopt {
 at::Tensor gguf_matmul(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, const at::Tensor& mn,
@@ -30,7 +31,7 @@ at::Tensor dense_matmul(const at::Tensor& x, const at::Tensor& w);
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                            const at::Tensor& block_table, const at::Tensor& query_start_loc,
                            const at::Tensor& seq_lens, double scale, int64_t window, double k_scale, double v_scale, const at::Tensor& tree_bits,
-                           bool invariant);
+                           bool invariant, const at::Tensor& k_scales, const at::Tensor& v_scales);
 
 namespace {
 
@@ -127,11 +128,16 @@ void run_layers(at::Tensor& h, const at::Tensor& cos, const at::Tensor& ssin, co
     const int64_t stride = q_size + 2 * kv_size;
     rope<T>(p, cos.data_ptr<T>(), ssin.data_ptr<T>(), T_, Hq, D, stride);
     rope<T>(p + q_size, cos.data_ptr<T>(), ssin.data_ptr<T>(), T_, Hkv, D, stride);
-    write_slots<T>(p + q_size, stride, l.k_pool, slots.data_ptr<int64_t>(), T_, kv_size);
-    write_slots<T>(p + q_size + kv_size, stride, l.v_pool, slots.data_ptr<int64_t>(), T_, kv_size);
+    if (l.k_scales.defined() && l.k_scales.numel())   // an int8 / int4 pool (int_kv.h)
+      intkv::write<T>(p + q_size, p + q_size + kv_size, stride, slots.data_ptr<int64_t>(), T_, l.k_pool, l.v_pool,
+                      l.k_scales, l.v_scales, Hkv, D);
+    else {
+      write_slots<T>(p + q_size, stride, l.k_pool, slots.data_ptr<int64_t>(), T_, kv_size);
+      write_slots<T>(p + q_size + kv_size, stride, l.v_pool, slots.data_ptr<int64_t>(), T_, kv_size);
+    }
     at::Tensor q = qkv.narrow(1, 0, q_size).contiguous().view({T_, Hq, D});
     at::Tensor attn = paged_attention(q, l.k_pool, l.v_pool, block_table, qsl, seq_lens, scale, l.window,
-                                      l.k_scale, l.v_scale, tree_bits, invariant);
+                                      l.k_scale, l.v_scale, tree_bits, invariant, l.k_scales, l.v_scales);
     at::Tensor o = apply(l.o, attn.view({T_, q_size})).contiguous();
     add_into<T>(h.data_ptr<T>(), o.data_ptr<T>(), T_ * H);
     x = rms_norm<T>(h, l.post_attention_norm, eps);
@@ -163,8 +169,10 @@ void decode_layers(at::Tensor h, const at::Tensor& cos, const at::Tensor& ssin, 
                     "the compiled decode step runs float32 or bfloat16, got ", h.scalar_type());
   for (const DecoderLayer& l : layers)
     for (const auto* p : {&l.k_pool, &l.v_pool})
-      TORCH_CHECK_VALUE((p->scalar_type() == h.scalar_type() || p->scalar_type() == at::kBFloat16) && p->is_contiguous(),
-                        "pools must be contiguous, in the model's dtype or bfloat16");
+      TORCH_CHECK_VALUE((p->scalar_type() == h.scalar_type() || p->scalar_type() == at::kBFloat16 ||
+                         (l.k_scales.defined() && l.k_scales.numel() &&
+                          (p->scalar_type() == at::kChar || p->scalar_type() == at::kByte))) && p->is_contiguous(),
+                        "pools must be contiguous, in the model's dtype or bfloat16, or int8 / int4 with their scales");
   at::Tensor hh = h;
   if (h.scalar_type() == at::kFloat)
     run_layers<float>(hh, cos, ssin, layers, slots, block_table, qsl, seq_lens, tree_bits, num_heads, num_kv_heads,

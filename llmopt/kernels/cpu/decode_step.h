@@ -25,14 +25,16 @@ struct Linear {
 };
 
 // LlamaDecoderLayer (llmopt/model/llama.py): its two RMSNorm weights, its four linears, and its
-// layer of the paged KV pool with the pool's scales (1.0 for a pool in the model's dtype) and the
-// layer's sliding window (0: none).
+// layer of the paged KV pool with the pool's scales (1.0 for a pool in the model's dtype; an int8 /
+// int4 pool's group scales in k_scales / v_scales, empty otherwise: int_kv.h) and the layer's
+// sliding window (0: none).
 struct DecoderLayer {
   at::Tensor input_norm, post_attention_norm;
   Linear qkv, o, gate_up, down;
   at::Tensor k_pool, v_pool;
   double k_scale, v_scale;
   int64_t window;
+  at::Tensor k_scales, v_scales;
 };
 
 void decode_layers(at::Tensor h, const at::Tensor& cos, const at::Tensor& ssin, const std::vector<DecoderLayer>& layers,

@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "common.h"
+#include "int_kv.h"
 #include "paged_attention_avx512.h"
 #include "paged_attention_prompt.h"
 
@@ -46,7 +47,7 @@ constexpr int64_t TREE_KEYS = 64;    // a tree row's mask covers its sequence's 
 // Batch-invariant mode's slice: keys are cut at its multiples, a long context still spread over threads.
 constexpr int64_t INVARIANT_SLICE = 256;
 
-enum KVFormat { KV_F32, KV_BF16, KV_E4M3, KV_E5M2 };
+enum KVFormat { KV_F32, KV_BF16, KV_E4M3, KV_E5M2, KV_I8, KV_I4 };  // int8 / int4: int_kv.h
 
 static float fp8_value(uint8_t b, bool e4m3) {
   const int sign = b >> 7;
@@ -95,7 +96,8 @@ struct Item {
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                               const at::Tensor& block_table, const at::Tensor& query_start_loc,
                               const at::Tensor& seq_lens, double scale, int64_t window,
-                              double k_scale, double v_scale, const at::Tensor& tree_bits, bool invariant) {
+                              double k_scale, double v_scale, const at::Tensor& tree_bits, bool invariant,
+                              const at::Tensor& k_scales, const at::Tensor& v_scales) {
   RECORD_FUNCTION("llmopt::paged_attention", std::vector<c10::IValue>());  // a named row in torch.profiler
   TORCH_CHECK_VALUE(q.dim() == 3 && q.is_contiguous() &&
                     (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16),
@@ -105,7 +107,6 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const 
                     "k_pool and v_pool must be contiguous [num_blocks, block_size, Hkv, D] of one shape and dtype");
   const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2);
   const int64_t NB = k_pool.size(0), BS = k_pool.size(1), Hkv = k_pool.size(2);
-  TORCH_CHECK_VALUE(k_pool.size(3) == D, "head_dim differs: q has ", D, ", the pools ", k_pool.size(3));
   TORCH_CHECK_VALUE(Hkv > 0 && Hq % Hkv == 0, "num query heads ", Hq, " is not a multiple of num kv heads ", Hkv);
   KVFormat fmt;
   switch (k_pool.scalar_type()) {
@@ -113,9 +114,24 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const 
     case at::kBFloat16: fmt = KV_BF16; break;
     case at::kFloat8_e4m3fn: fmt = KV_E4M3; break;
     case at::kFloat8_e5m2: fmt = KV_E5M2; break;
-    default: TORCH_CHECK_VALUE(false, "pools must be float32, bfloat16 or float8 (e4m3fn, e5m2), got ",
-                               k_pool.scalar_type());
+    case at::kChar: fmt = KV_I8; break;
+    case at::kByte: fmt = KV_I4; break;
+    default: TORCH_CHECK_VALUE(false, "pools must be float32, bfloat16, float8 (e4m3fn, e5m2), int8 or uint8 (int4 "
+                               "codes two a byte), got ", k_pool.scalar_type());
   }
+  const bool ints = fmt == KV_I8 || fmt == KV_I4;
+  const int64_t W = fmt == KV_I4 ? D / 2 : D;   // a row's stored width
+  TORCH_CHECK_VALUE(k_pool.size(3) == W, "head_dim differs: q has ", D, ", the pools hold ", k_pool.size(3),
+                    fmt == KV_I4 ? " bytes a row (int4: head_dim / 2)" : "");
+  const int64_t VG = intkv::value_group(fmt == KV_I4), per_group = fmt == KV_I4 ? 2 : 1;  // int4: (scale, min)
+  const auto group_dtype = fmt == KV_I4 ? at::kHalf : at::kByte;
+  TORCH_CHECK_VALUE(!ints || (D % VG == 0 && k_scales.scalar_type() == group_dtype &&
+                              v_scales.scalar_type() == group_dtype && k_scales.is_contiguous() &&
+                              v_scales.is_contiguous() && k_scales.numel() == NB * Hkv * D * per_group &&
+                              v_scales.numel() == NB * BS * Hkv * (D / VG) * per_group),
+                    "an int8 / int4 pool needs its groups (llmopt/kernels/int_kv_ref.py scale_shapes): int8 uint8 "
+                    "k_scales [num_blocks, Hkv, D] and v_scales [num_blocks, block_size, Hkv, D / 32]; int4 float16 "
+                    "[num_blocks, Hkv, D, 2] and [num_blocks, block_size, Hkv, D / 64, 2]");
   for (const auto* t : {&block_table, &query_start_loc, &seq_lens})
     TORCH_CHECK_VALUE(t->scalar_type() == at::kInt && t->is_contiguous(),
                       "block_table, query_start_loc and seq_lens must be contiguous int32");
@@ -212,6 +228,21 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const 
   if (fmt == KV_E4M3 || fmt == KV_E5M2)
     for (int b = 0; b < 256; ++b) lut[b] = fp8_value(uint8_t(b), fmt == KV_E4M3);
   const float ks = fmt >= KV_E4M3 ? float(k_scale) : 1.0f, vs = fmt >= KV_E4M3 ? float(v_scale) : 1.0f;
+  const size_t row_bytes = W * elem;
+  const char* kgroups = ints ? static_cast<const char*>(k_scales.data_ptr()) : nullptr;
+  const char* vgroups = ints ? static_cast<const char*>(v_scales.data_ptr()) : nullptr;
+  const size_t group_bytes = fmt == KV_I4 ? 4 : 1;
+  // The key and value of pool row `row` ((block * BS + offset) * Hkv + kv head) in float32.
+  auto load_kv = [&](size_t row, float* kdst, float* vdst) {
+    if (!ints) {
+      load_row(kbase + row * row_bytes, fmt, lut, ks, D, kdst);
+      load_row(vbase + row * row_bytes, fmt, lut, vs, D, vdst);
+      return;
+    }
+    const size_t block = row / (BS * Hkv), head = row % Hkv;
+    intkv::load_row(kbase + row * W, kgroups + (block * Hkv + head) * D * group_bytes, 1, fmt == KV_I4, D, kdst);
+    intkv::load_row(vbase + row * W, vgroups + row * (D / VG) * group_bytes, VG, fmt == KV_I4, D, vdst);
+  };
   const float fscale = float(scale);
   const void* qp = q.data_ptr();
   void* op = out.data_ptr();
@@ -263,10 +294,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const 
           if (fmt == KV_F32)
             return attn::KeyRows{reinterpret_cast<const float*>(kbase) + row * D,
                                  reinterpret_cast<const float*>(vbase) + row * D, Hkv * D};
-          for (int64_t i = 0; i < n; ++i) {
-            load_row(kbase + (row + i * Hkv) * D * elem, fmt, lut, ks, D, kf.data() + i * D);
-            load_row(vbase + (row + i * Hkv) * D * elem, fmt, lut, vs, D, vf.data() + i * D);
-          }
+          for (int64_t i = 0; i < n; ++i) load_kv(row + i * Hkv, kf.data() + i * D, vf.data() + i * D);
           return attn::KeyRows{kf.data(), vf.data(), D};
         };
         if (attn::prompt_item(qf.data(), rows, D, lo.data(), hi.data(), it.k0, k_end, BS, fscale, fetch, m.data(),
@@ -283,9 +311,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const 
         const int64_t blk = p0 / BS, p1 = std::min(it.k1, (blk + 1) * BS);
         const int64_t phys = table[it.seq * max_blocks + blk];
         for (int64_t p = p0; p < p1; ++p) {
-          const size_t off = ((size_t(phys) * BS + p % BS) * Hkv + it.kv_head) * D * elem;
-          load_row(kbase + off, fmt, lut, ks, D, kf.data() + (p - p0) * D);
-          load_row(vbase + off, fmt, lut, vs, D, vf.data() + (p - p0) * D);
+          load_kv((size_t(phys) * BS + p % BS) * Hkv + it.kv_head, kf.data() + (p - p0) * D, vf.data() + (p - p0) * D);
         }
         auto range = [&](int64_t r) {  // row r's visible keys in this block: up to its own position, in the window
           const int64_t pos = first_pos + r / G;

@@ -17,14 +17,16 @@ from llmopt.kernels.paged_attention import FP8_DTYPES
 from llmopt.kernels.paged_attention_ref import paged_attention_ref
 
 QUERY_DTYPES = (torch.float32, torch.bfloat16)
-POOL_DTYPES = (torch.float32, torch.bfloat16) + FP8_DTYPES
+POOL_DTYPES = (torch.float32, torch.bfloat16) + FP8_DTYPES + (torch.int8, torch.uint8)  # int4: uint8, two a byte
+NO_SCALES = torch.empty(0, dtype=torch.uint8)
 
 
 def paged_attention_cpu(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                         block_table: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                         scale: float, window: int | None = None,
                         k_scale: float = 1.0, v_scale: float = 1.0,
-                        tree_bits: torch.Tensor | None = None, batch_invariant: bool = False) -> torch.Tensor:
+                        tree_bits: torch.Tensor | None = None, batch_invariant: bool = False,
+                        k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of flat queries over paged keys and values; returns [T, Hq, D] in q's dtype.
 
     q: [T, Hq, D] float32 or bfloat16, the new tokens of every sequence one after another;
@@ -42,6 +44,10 @@ def paged_attention_cpu(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Ten
     bit j of row t set when query t may see the key at seq_len - 64 + j of its sequence, -1 for
     a causal row. A tree row sees every earlier key and, of the last 64, those bits only.
 
+    An int8 pool (int8 codes) or int4 pool (uint8, two codes a byte: [..., D / 2]) comes with its
+    groups, k_scales and v_scales (llmopt/kernels/int_kv_ref.py `scale_shapes`), and is read as
+    codes times their scale (plus their minimum, int4).
+
     batch_invariant: each query row's arithmetic independent of the rest of the call (the other
     sequences, its own tile of queries, the threads): long contexts are cut into slices at fixed
     key positions and every row merged the same way (paged_attention.cpp). Off, the slices follow
@@ -56,11 +62,14 @@ def paged_attention_cpu(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Ten
     if tree_bits is not None and (tree_bits.dtype != torch.int64 or tree_bits.shape != (q.shape[0],)):
         raise ValueError(f"tree_bits must be int64 [{q.shape[0]}] (one per query row), got "
                          f"{tree_bits.dtype} {tuple(tree_bits.shape)}")
+    if (k_pool.dtype in (torch.int8, torch.uint8)) != (k_scales is not None and v_scales is not None):
+        raise ValueError("k_scales and v_scales go with an int8 / int4 pool, and only with one")
     ext = cpu.load()
     if ext is None:
         return paged_attention_ref(q, k_pool, v_pool, block_table, query_start_loc, seq_lens, scale,
-                                   window, k_scale, v_scale, tree_bits)
+                                   window, k_scale, v_scale, tree_bits, k_scales, v_scales)
     return ext.paged_attention(q.contiguous(), k_pool, v_pool, block_table, query_start_loc, seq_lens,
                                float(scale), 0 if window is None else window, float(k_scale), float(v_scale),
                                torch.empty(0, dtype=torch.int64) if tree_bits is None else tree_bits.contiguous(),
-                               bool(batch_invariant))
+                               bool(batch_invariant), NO_SCALES if k_scales is None else k_scales,
+                               NO_SCALES if v_scales is None else v_scales)
