@@ -14,8 +14,8 @@ The two widths quantize differently, each where its budget is:
     formats), the smallest with amax / s <= 127. One byte a group, not two, is what lets int8 hold
     1.9x the tokens of bf16 with its scales counted (`bytes_per_token`); int8 has precision to spare.
   - int4: asymmetric codes, q = clamp(round((x - m) / s), 0, 15), read back q * s + m, with the
-    group's minimum m and s = (max - min) / 15 both float16 (two codes a byte: low nibble the even
-    channel). Sixteen levels cannot spare any: a range that is not centred on zero (a key channel's
+    group's minimum m and s = (max - min) / 15 both float16 (two codes a byte: channel j < D / 2 in
+    byte j's low nibble, channel D / 2 + j in its high nibble, so a read unpacks two contiguous halves). Sixteen levels cannot spare any: a range that is not centred on zero (a key channel's
     offset) would waste half of a symmetric grid, and a power-of-two scale up to half of what is left.
 A block fills a token (or a chunk) at a time, so a key channel's group is known only from the
 tokens written so far: when new tokens fall outside it, the block's earlier codes of that channel
@@ -100,17 +100,19 @@ def dequantize4(codes: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
 
 
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Codes [..., D] as the pool stores them: int8 as they are; int4 (0..15) two a byte [..., D / 2]."""
+    """Codes [..., D] as the pool stores them: int8 as they are; int4 (0..15) two a byte [..., D / 2],
+    the first half of the channels in the low nibbles, the second in the high."""
     if bits == 8:
         return codes
-    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+    half = codes.shape[-1] // 2
+    return codes[..., :half] | (codes[..., half:] << 4)
 
 
 def unpack(stored: torch.Tensor, bits: int) -> torch.Tensor:
     """The pool's bytes back to codes [..., D] (int8, or uint8 0..15)."""
     if bits == 8:
         return stored
-    return torch.stack((stored & 15, stored >> 4), -1).flatten(-2)
+    return torch.cat((stored & 15, stored >> 4), -1)
 
 
 # -- the write and the read ----------------------------------------------------------------------

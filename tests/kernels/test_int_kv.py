@@ -65,7 +65,7 @@ def test_int4_groups_span_their_numbers_and_codes_pack_two_a_byte():
     packed = pack(codes, 4)
     assert packed.dtype == torch.uint8 and packed.shape == (2, 7)
     assert torch.equal(unpack(packed, 4), codes)
-    assert int(packed[0, 0]) == 0 | (1 << 4)   # low nibble the even channel
+    assert int(packed[0, 0]) == 0 | (7 << 4)   # channel 0 in the low nibble, channel 7 (= 14 / 2) in the high
 
 
 @pytest.mark.parametrize("kind", ["int8", "int4"])

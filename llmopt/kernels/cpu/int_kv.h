@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <vector>
 
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=off")
@@ -66,27 +67,75 @@ inline float dequantize4(int q, const c10::Half* g) {
   return p + h2f(g[1]);
 }
 
-inline int nibble(const uint8_t* row, int64_t j) { return (row[j >> 1] >> (4 * (j & 1))) & 15; }
-
-inline void set_nibble(uint8_t* row, int64_t j, uint8_t q) {
-  const int shift = 4 * (j & 1);
-  row[j >> 1] = uint8_t((row[j >> 1] & ~(15 << shift)) | (q << shift));
+// Channel j of a row of D: the low nibble of byte j for the first half, the high nibble of byte
+// j - D / 2 for the second (so a read unpacks two contiguous halves, no interleaving).
+inline int nibble(const uint8_t* row, int64_t j, int64_t D) {
+  return j < D / 2 ? row[j] & 15 : row[j - D / 2] >> 4;
 }
 
-// -- reading a row --------------------------------------------------------------------------------
+inline void set_nibble(uint8_t* row, int64_t j, int64_t D, uint8_t q) {
+  const int64_t i = j < D / 2 ? j : j - D / 2;
+  const int shift = j < D / 2 ? 0 : 4;
+  row[i] = uint8_t((row[i] & ~(15 << shift)) | (q << shift));
+}
 
-// One key or value row of D numbers in float32. groups: the row's first group (int8: E8M0 bytes;
-// int4: float16 pairs), one per `per` channels (1 for keys: per channel; value_group for values).
-inline void load_row(const void* codes, const void* groups, int64_t per, bool four, int64_t D, float* dst) {
+// -- reading (the attention kernel's loads) ---------------------------------------------------
+
+// A (block, KV head)'s key groups decoded to floats once for the block's tokens, and a value row's
+// few groups once each: codes times scale (plus minimum, int4), as int_kv_ref reads them.
+struct KeyGroups {
+  int64_t at = -1;          // which block * Hkv + head is decoded
+  std::vector<float> s, m;  // per channel: scale, minimum (0 for int8)
+  void decode(const void* groups, int64_t index, bool four, int64_t D) {
+    if (at == index) return;
+    at = index;
+    s.resize(D);
+    m.assign(D, 0.0f);
+    if (!four) {
+      const auto* b = static_cast<const uint8_t*>(groups) + index * D;
+      for (int64_t j = 0; j < D; ++j) s[j] = scale_of(b[j]);
+    } else {
+      const auto* g = static_cast<const c10::Half*>(groups) + index * D * 2;
+      for (int64_t j = 0; j < D; ++j) { s[j] = h2f(g[2 * j]); m[j] = h2f(g[2 * j + 1]); }
+    }
+  }
+};
+
+inline void load_key(const void* codes, const KeyGroups& kg, bool four, int64_t D, float* dst) {
   if (!four) {
     const auto* c = static_cast<const int8_t*>(codes);
-    const auto* s = static_cast<const uint8_t*>(groups);
-    for (int64_t j = 0; j < D; ++j) dst[j] = float(c[j]) * scale_of(s[j / per]);
+    for (int64_t j = 0; j < D; ++j) dst[j] = float(c[j]) * kg.s[j];
     return;
   }
   const auto* c = static_cast<const uint8_t*>(codes);
-  const auto* g = static_cast<const c10::Half*>(groups);
-  for (int64_t j = 0; j < D; ++j) dst[j] = dequantize4(nibble(c, j), g + 2 * (j / per));
+  const int64_t half = D / 2;
+  for (int64_t i = 0; i < half; ++i) {
+    const float p = float(c[i] & 15) * kg.s[i];
+    dst[i] = p + kg.m[i];
+  }
+  for (int64_t i = 0; i < half; ++i) {
+    const float p = float(c[i] >> 4) * kg.s[half + i];
+    dst[half + i] = p + kg.m[half + i];
+  }
+}
+
+inline void load_value(const void* codes, const void* groups, bool four, int64_t D, float* dst) {
+  const int64_t G = value_group(four);
+  for (int64_t g0 = 0; g0 < D; g0 += G) {
+    if (!four) {
+      const auto* c = static_cast<const int8_t*>(codes);
+      const float s = scale_of(static_cast<const uint8_t*>(groups)[g0 / G]);
+      for (int64_t j = g0; j < g0 + G; ++j) dst[j] = float(c[j]) * s;
+    } else {
+      const auto* c = static_cast<const uint8_t*>(codes);
+      const c10::Half* gr = static_cast<const c10::Half*>(groups) + 2 * (g0 / G);
+      const float s = h2f(gr[0]), m = h2f(gr[1]);
+      for (int64_t j = g0; j < g0 + G; ++j) {
+        const float p = float(nibble(c, j, D)) * s;
+        dst[j] = p + m;
+      }
+    }
+  }
 }
 
 // -- writing a step's tokens --------------------------------------------------------------------
@@ -123,7 +172,7 @@ void write(const T* k, const T* v, int64_t stride, const int64_t* slots, int64_t
         } else {
           c10::Half* gr = vg4 + (row * NG + g) * 2;
           group_of(lo, hi, gr);
-          for (int64_t j = g * G; j < (g + 1) * G; ++j) set_nibble(vp + row * W, j, quantize4(float(x[j]), gr));
+          for (int64_t j = g * G; j < (g + 1) * G; ++j) set_nibble(vp + row * W, j, D, quantize4(float(x[j]), gr));
         }
       }
     }
@@ -164,13 +213,13 @@ void write(const T* k, const T* v, int64_t stride, const int64_t* slots, int64_t
             if (lo < old_lo || hi > old_hi) {   // earlier codes: read back on the old grid, quantized on the new
               group_of(lo, hi, gr);
               for (int64_t o = 0; o < first; ++o)
-                set_nibble(earlier_row(o), j, quantize4(dequantize4(nibble(earlier_row(o), j), old), gr));
+                set_nibble(earlier_row(o), j, D, quantize4(dequantize4(nibble(earlier_row(o), j, D), old), gr));
             }
           } else {
             group_of(lo, hi, gr);
           }
           for (int64_t t = t0; t < t1; ++t)
-            set_nibble(kp + (slots[t] * Hkv + h) * W, j, quantize4(float(k[t * stride + h * D + j]), gr));
+            set_nibble(kp + (slots[t] * Hkv + h) * W, j, D, quantize4(float(k[t * stride + h * D + j]), gr));
         }
       }
     t0 = t1;

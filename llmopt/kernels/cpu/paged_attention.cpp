@@ -233,15 +233,17 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const 
   const char* vgroups = ints ? static_cast<const char*>(v_scales.data_ptr()) : nullptr;
   const size_t group_bytes = fmt == KV_I4 ? 4 : 1;
   // The key and value of pool row `row` ((block * BS + offset) * Hkv + kv head) in float32.
-  auto load_kv = [&](size_t row, float* kdst, float* vdst) {
+  // kg: the thread's decoded key groups (an int pool's, reused across a block's tokens).
+  auto load_kv = [&](size_t row, float* kdst, float* vdst, intkv::KeyGroups& kg) {
     if (!ints) {
       load_row(kbase + row * row_bytes, fmt, lut, ks, D, kdst);
       load_row(vbase + row * row_bytes, fmt, lut, vs, D, vdst);
       return;
     }
     const size_t block = row / (BS * Hkv), head = row % Hkv;
-    intkv::load_row(kbase + row * W, kgroups + (block * Hkv + head) * D * group_bytes, 1, fmt == KV_I4, D, kdst);
-    intkv::load_row(vbase + row * W, vgroups + row * (D / VG) * group_bytes, VG, fmt == KV_I4, D, vdst);
+    kg.decode(kgroups, block * Hkv + head, fmt == KV_I4, D);
+    intkv::load_key(kbase + row * W, kg, fmt == KV_I4, D, kdst);
+    intkv::load_value(vbase + row * W, vgroups + row * (D / VG) * group_bytes, fmt == KV_I4, D, vdst);
   };
   const float fscale = float(scale);
   const void* qp = q.data_ptr();
@@ -252,6 +254,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const 
     std::vector<float> qf(rows_max * D), acc(rows_max * D), kf(BS * D), vf(BS * D), s(BS);
     std::vector<float> m(rows_max), l(rows_max);
     std::vector<int32_t> lo(rows_max), hi(rows_max);
+    intkv::KeyGroups kg;
     for (int64_t idx; (idx = next.fetch_add(1)) < int64_t(items.size());) {
       const Item& it = items[idx];
       const int64_t nq = it.q1 - it.q0, rows = nq * G, L = lens[it.seq];
@@ -294,7 +297,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const 
           if (fmt == KV_F32)
             return attn::KeyRows{reinterpret_cast<const float*>(kbase) + row * D,
                                  reinterpret_cast<const float*>(vbase) + row * D, Hkv * D};
-          for (int64_t i = 0; i < n; ++i) load_kv(row + i * Hkv, kf.data() + i * D, vf.data() + i * D);
+          for (int64_t i = 0; i < n; ++i) load_kv(row + i * Hkv, kf.data() + i * D, vf.data() + i * D, kg);
           return attn::KeyRows{kf.data(), vf.data(), D};
         };
         if (attn::prompt_item(qf.data(), rows, D, lo.data(), hi.data(), it.k0, k_end, BS, fscale, fetch, m.data(),
@@ -311,7 +314,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const 
         const int64_t blk = p0 / BS, p1 = std::min(it.k1, (blk + 1) * BS);
         const int64_t phys = table[it.seq * max_blocks + blk];
         for (int64_t p = p0; p < p1; ++p) {
-          load_kv((size_t(phys) * BS + p % BS) * Hkv + it.kv_head, kf.data() + (p - p0) * D, vf.data() + (p - p0) * D);
+          load_kv((size_t(phys) * BS + p % BS) * Hkv + it.kv_head, kf.data() + (p - p0) * D, vf.data() + (p - p0) * D,
+                  kg);
         }
         auto range = [&](int64_t r) {  // row r's visible keys in this block: up to its own position, in the window
           const int64_t pos = first_pos + r / G;
