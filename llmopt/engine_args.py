@@ -31,8 +31,8 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prefix-cache", default="hash", choices=["hash", "radix"],
                    help="hash: vLLM's chained block hashes; radix: SGLang's radix tree (token granularity)")
     g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "int8", "int4"],
-                   help="int8 / int4: integer codes, keys scaled per block and channel, values per token and 32 "
-                        "channels (KIVI's grouping)")
+                   help="int8 / int4: integer codes, keys grouped per block and channel, values per token and "
+                        "32 (int8) or 64 (int4) channels (KIVI's grouping)")
     g.add_argument("--calculate-kv-scales", nargs="?", const=True, default=False, choices=["tensor", "attn_head"],
                    help="FP8 KV cache: measure k/v scales on calibration text at start, one per layer "
                         "(no value, or 'tensor') or one per KV head ('attn_head')")

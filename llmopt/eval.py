@@ -4,7 +4,8 @@
 
 It is measured through a running `LLM`'s own model, its own KV cache and its own step (the
 compiled CPU step where the engine runs one), so whatever the engine does to the numbers
-(quantized weights, an FP8 or int4 cache, a different dtype, its kernels) shows in the result. The text is cut into windows of `seq_len` tokens; each window is fed in
+(quantized weights, an FP8 or int4 cache, a different dtype, its kernels) shows in the result.
+The text is cut into windows of `seq_len` tokens; each window is fed in
 chunks of `chunk_size` tokens, so the queries of later chunks read keys and values back
 from the paged cache exactly as a long prompt's later chunks do in serving.
 

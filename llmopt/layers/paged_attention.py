@@ -13,9 +13,10 @@ sequence's keys are found through its block table. Three implementations, one si
     triton  the Triton kernels (llmopt/kernels/paged_attention.py), on CUDA.
 
 An FP8 pool is read as fp8 * scale; an int8 / int4 pool as codes times their group scales
-(llmopt/kernels/int_kv_ref.py), by the C++ kernel or, in torch, a sequence's blocks at a time. A draft tree's step (`meta.tree_masks`) goes through the
-kernels under their 64-bit masks (`meta.tree_bits`), and through the masked torch path where
-the tree is too large for them: the one choice made per step.
+(llmopt/kernels/int_kv_ref.py), by the C++ kernel or, in torch, a sequence's blocks at a time.
+A draft tree's step (`meta.tree_masks`) goes through the kernels under their 64-bit masks
+(`meta.tree_bits`), and through the masked torch path where the tree is too large for them: the
+one choice made per step.
 """
 
 from __future__ import annotations

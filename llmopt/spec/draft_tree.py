@@ -133,11 +133,23 @@ def accepted_slot_moves(table: list[int], num_tokens: int, path: list[int],
 
 
 def move_slots(cache, src: list[int], dst: list[int]) -> None:
-    """Copy every layer's keys and values from slots `src` to slots `dst` of a paged pool."""
+    """Copy every layer's keys and values from slots `src` to slots `dst` of a paged pool. An
+    int8 / int4 pool's codes mean something only with their block's key groups, so there each
+    slot is read back and written again at its new place (llmopt/kernels/int_kv_ref.py)."""
     if not src:
         return
     s = torch.tensor(src, device=cache.k[0].device)
     d = torch.tensor(dst, device=cache.k[0].device)
+    bits = getattr(cache, "int_bits", None)
+    if bits is not None:
+        from llmopt.kernels.int_kv_ref import read_keys, read_values, write_int_kv
+
+        rows, bs = torch.arange(len(src), device=s.device), cache.block_size
+        for layer in range(len(cache.k)):   # every source read before any destination is written
+            k = read_keys(cache.k[layer], cache.k_scales[layer], s // bs, bits)[rows, s % bs]
+            v = read_values(cache.v[layer], cache.v_scales[layer], s // bs, bits)[rows, s % bs]
+            write_int_kv(k, v, cache.k[layer], cache.v[layer], cache.k_scales[layer], cache.v_scales[layer], d, bits)
+        return
     for pool in (*cache.k, *cache.v):
         flat = pool.view(-1, *pool.shape[2:])
         flat[d] = flat[s]

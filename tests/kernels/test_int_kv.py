@@ -173,3 +173,34 @@ def test_bad_kv_cache_dtypes_are_refused_by_name():
         LLM("tiny", kv_cache_dtype="int3")
     with pytest.raises(ValueError, match="not supported with tensor_parallel_size"):
         LLM("tiny", kv_cache_dtype="int8", tensor_parallel_size=2)
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_moving_slots_moves_what_they_hold(kind):
+    """An EAGLE-2 tree's accepted path is moved to the slots after its context (draft_tree.move_slots):
+    in an int pool the moved keys and values must read back as what the sources held, in a block whose
+    groups are another block's."""
+    from llmopt.spec.draft_tree import move_slots
+
+    pool = PagedKVCache(2, 6, 16, 3, 64, torch.float32, kv_cache_dtype=kind)
+    k, v = keys_values(40, seed=4)
+    for layer in range(2):
+        write_int_kv(k[:24], v[:24], pool.k[layer], pool.v[layer], pool.k_scales[layer], pool.v_scales[layer],
+                     torch.arange(24) + 16, BITS[kind])          # blocks 1 and 2 (half)
+        write_int_kv(k[24:] * 3, v[24:] * 3, pool.k[layer], pool.v[layer], pool.k_scales[layer],
+                     pool.v_scales[layer], torch.arange(16) + 64, BITS[kind])   # block 4, larger numbers
+    src, dst = [64 + 2, 64 + 5, 64 + 9], [40, 41, 42]   # into block 2, after its 8 tokens (slots 32-39)
+    def read(layer, slots):
+        t = torch.tensor(slots)
+        keys = read_keys(pool.k[layer], pool.k_scales[layer], t // 16, BITS[kind])[torch.arange(len(t)), t % 16]
+        values = read_values(pool.v[layer], pool.v_scales[layer], t // 16, BITS[kind])[torch.arange(len(t)), t % 16]
+        return keys, values
+    before = [read(layer, src) for layer in range(2)]
+    kept = [read(layer, list(range(32, 40))) for layer in range(2)]   # block 2's own tokens
+    move_slots(pool, src, dst)
+    tol = {"int8": 0.02, "int4": 0.15}[kind]
+    for layer in range(2):
+        for got, want in zip(read(layer, dst), before[layer]):
+            assert (got - want).norm() / want.norm() < tol
+        for got, want in zip(read(layer, list(range(32, 40))), kept[layer]):
+            assert (got - want).norm() / want.norm() < tol
