@@ -32,7 +32,7 @@ def test_generate_prints_a_completion():
     (["--block-size", "10"], "block_size"),
     (["--model", "nope"], "tiny-draft"),
     (["--speculative-config", "{bad json"], "speculative-config"),
-    (["--kv-cache-dtype", "int4"], "kv-cache-dtype"),
+    (["--kv-cache-dtype", "int3"], "kv-cache-dtype"),
 ])
 def test_generate_rejects_bad_flags_with_a_message(args, match):
     r = llmopt_cli("generate", "x", *args)

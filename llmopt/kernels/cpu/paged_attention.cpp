@@ -6,11 +6,9 @@
 // slices run by different threads, each keeping its own running max, sum and fp32 output
 // (FlashAttention's online softmax), merged at the end (flash-decoding). Threads take items
 // from a shared counter, largest first, so one long prompt does not leave the others idle.
-// Batch-invariant mode (`invariant`, llmopt/worker/compiled_decode.py): a query row's arithmetic
-// must not depend on what else the step holds. The slices above are then cut at fixed positions
-// (multiples of INVARIANT_SLICE keys, whatever the threads or the other items), every item is
-// merged through the same rescale-and-divide (one slice or many), and decode rows take the same
-// loop as prompt rows: a row's result is a function of its own query and keys alone.
+// Batch-invariant mode (`invariant`, compiled_decode.py): slices cut at fixed multiples of
+// INVARIANT_SLICE keys whatever the threads or other items, every item merged the same way (one
+// slice or many), decode rows in the prompt rows' loop: a row's result is its query's and keys' alone.
 // Only keys a query may see are read (position <= its own, inside the window), so nothing a
 // slot held before its token was written (another request's NaN) can reach an output.
 //
@@ -44,9 +42,7 @@ constexpr int64_t MIN_SLICE = 128;   // keys per slice, at least: below this mer
 // against 2 threads: benchmarks/README.md, "Measurements behind the code's choices").
 constexpr int64_t SERIAL_MAX_COST = 512;
 constexpr int64_t TREE_KEYS = 64;    // a tree row's mask covers its sequence's last 64 keys
-// Batch-invariant mode's slice: keys are cut at its multiples, a long context still spread over threads.
-constexpr int64_t INVARIANT_SLICE = 256;
-
+constexpr int64_t INVARIANT_SLICE = 256;  // batch-invariant mode's slice (long contexts still spread)
 enum KVFormat { KV_F32, KV_BF16, KV_E4M3, KV_E5M2, KV_I8, KV_I4 };  // int8 / int4: int_kv.h
 
 static float fp8_value(uint8_t b, bool e4m3) {
@@ -120,18 +116,16 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const 
                                "codes two a byte), got ", k_pool.scalar_type());
   }
   const bool ints = fmt == KV_I8 || fmt == KV_I4;
-  const int64_t W = fmt == KV_I4 ? D / 2 : D;   // a row's stored width
+  const int64_t W = fmt == KV_I4 ? D / 2 : D;   // a row's stored width (int4: two codes a byte)
   TORCH_CHECK_VALUE(k_pool.size(3) == W, "head_dim differs: q has ", D, ", the pools hold ", k_pool.size(3),
                     fmt == KV_I4 ? " bytes a row (int4: head_dim / 2)" : "");
   const int64_t VG = intkv::value_group(fmt == KV_I4), per_group = fmt == KV_I4 ? 2 : 1;  // int4: (scale, min)
-  const auto group_dtype = fmt == KV_I4 ? at::kHalf : at::kByte;
-  TORCH_CHECK_VALUE(!ints || (D % VG == 0 && k_scales.scalar_type() == group_dtype &&
-                              v_scales.scalar_type() == group_dtype && k_scales.is_contiguous() &&
-                              v_scales.is_contiguous() && k_scales.numel() == NB * Hkv * D * per_group &&
-                              v_scales.numel() == NB * BS * Hkv * (D / VG) * per_group),
-                    "an int8 / int4 pool needs its groups (llmopt/kernels/int_kv_ref.py scale_shapes): int8 uint8 "
-                    "k_scales [num_blocks, Hkv, D] and v_scales [num_blocks, block_size, Hkv, D / 32]; int4 float16 "
-                    "[num_blocks, Hkv, D, 2] and [num_blocks, block_size, Hkv, D / 64, 2]");
+  const auto gd = fmt == KV_I4 ? at::kHalf : at::kByte;
+  TORCH_CHECK_VALUE(!ints || (D % VG == 0 && k_scales.scalar_type() == gd && v_scales.scalar_type() == gd &&
+                              k_scales.is_contiguous() && v_scales.is_contiguous() && k_scales.numel() == NB * Hkv * D *
+                              per_group && v_scales.numel() == NB * BS * Hkv * (D / VG) * per_group),
+                    "an int8 / int4 pool needs k_scales and v_scales as llmopt/kernels/int_kv_ref.py's scale_shapes "
+                    "gives them (int8: uint8 [NB, Hkv, D], [NB, BS, Hkv, D/32]; int4: float16 [.., D, 2], [.., D/64, 2])");
   for (const auto* t : {&block_table, &query_start_loc, &seq_lens})
     TORCH_CHECK_VALUE(t->scalar_type() == at::kInt && t->is_contiguous(),
                       "block_table, query_start_loc and seq_lens must be contiguous int32");
@@ -229,11 +223,10 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const 
     for (int b = 0; b < 256; ++b) lut[b] = fp8_value(uint8_t(b), fmt == KV_E4M3);
   const float ks = fmt >= KV_E4M3 ? float(k_scale) : 1.0f, vs = fmt >= KV_E4M3 ? float(v_scale) : 1.0f;
   const size_t row_bytes = W * elem;
-  const char* kgroups = ints ? static_cast<const char*>(k_scales.data_ptr()) : nullptr;
-  const char* vgroups = ints ? static_cast<const char*>(v_scales.data_ptr()) : nullptr;
+  const char *kgroups = ints ? static_cast<const char*>(k_scales.data_ptr()) : nullptr,
+             *vgroups = ints ? static_cast<const char*>(v_scales.data_ptr()) : nullptr;
   const size_t group_bytes = fmt == KV_I4 ? 4 : 1;
-  // The key and value of pool row `row` ((block * BS + offset) * Hkv + kv head) in float32.
-  // kg: the thread's decoded key groups (an int pool's, reused across a block's tokens).
+  // Pool row `row`'s ((block * BS + offset) * Hkv + head) key and value in float32; kg: the thread's decoded key groups.
   auto load_kv = [&](size_t row, float* kdst, float* vdst, intkv::KeyGroups& kg) {
     if (!ints) {
       load_row(kbase + row * row_bytes, fmt, lut, ks, D, kdst);
@@ -314,8 +307,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const 
         const int64_t blk = p0 / BS, p1 = std::min(it.k1, (blk + 1) * BS);
         const int64_t phys = table[it.seq * max_blocks + blk];
         for (int64_t p = p0; p < p1; ++p) {
-          load_kv((size_t(phys) * BS + p % BS) * Hkv + it.kv_head, kf.data() + (p - p0) * D, vf.data() + (p - p0) * D,
-                  kg);
+          load_kv((size_t(phys) * BS + p % BS) * Hkv + it.kv_head, kf.data() + (p - p0) * D, vf.data() + (p - p0) * D, kg);
         }
         auto range = [&](int64_t r) {  // row r's visible keys in this block: up to its own position, in the window
           const int64_t pos = first_pos + r / G;
