@@ -19,13 +19,12 @@ start (run it on a quiet machine: it warns above 1.5).
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import sys
 from pathlib import Path
 
 from llmopt import LLM, SamplingParams
-from llmopt.bench.common import load_average, machine, output_tokens_per_second, table
+from llmopt.bench.common import load_average, machine, write_result, output_tokens_per_second, table
 from llmopt.model.registry import heldout_text
 
 ENGINE = dict(model="smollm2", dtype="bfloat16", enable_chunked_prefill=True, max_num_batched_tokens=128,
@@ -108,10 +107,7 @@ def main(argv=None) -> None:
             f"and 1-48 new tokens around one of two targets (a short question, a 300-word held-out passage), "
             f"32 greedy tokens each; counted against the target alone on the same engine. Speed: 64 new "
             f"tokens a sequence, best of {args.repeats}, the two engines alternated.\n\n" + table(head, body) + "\n")
-    Path(args.out + ".md").write_text(text)
-    Path(args.out + ".json").write_text(json.dumps({"machine": machine(), "load": load, "rows": list(rows.values())},
-                                                   indent=1))
-    print(text)
+    write_result(args.out, text, load, list(rows.values()))
 
 
 if __name__ == "__main__":

@@ -19,14 +19,13 @@ Writes results/int_kv_smollm2.md and .json with the machine and the load average
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import time
 import sys
 from pathlib import Path
 
 from llmopt import LLM, SamplingParams
-from llmopt.bench.common import load_average, machine, table
+from llmopt.bench.common import load_average, machine, write_result, table
 from llmopt.eval import PROTOCOL, describe_protocol, perplexity
 
 DTYPES = ("auto", "int8", "int4")  # fp8 pools decode eagerly here: their costs are in precision_smollm2.md
@@ -96,10 +95,7 @@ def main(argv=None) -> None:
             f"(48 steps of pure decode timed, prefill untimed), best of {args.repeats}, the engines alternated; "
             f"'step' is the path decode steps took (compiled: one C++ call; eager: op by op).\n\n"
             + table(head, body) + "\n")
-    Path(args.out + ".md").write_text(text)
-    Path(args.out + ".json").write_text(json.dumps({"machine": machine(), "load": load, "rows": list(rows.values())},
-                                                   indent=1))
-    print(text)
+    write_result(args.out, text, load, list(rows.values()))
 
 
 if __name__ == "__main__":

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import os
 import platform
 import time
@@ -147,6 +149,16 @@ class Clock:
     @classmethod
     def since(cls, t0: tuple[float, float]) -> Clock:
         return cls(time.perf_counter() - t0[0], time.process_time() - t0[1])
+
+
+def write_result(out: str, text: str, load: float, rows: list[dict]) -> None:
+    """A benchmark's committed table: `out`.md (the text, printed too) and `out`.json (its rows, with
+    the machine and the load average at the start)."""
+    from pathlib import Path
+
+    Path(out + ".md").write_text(text)
+    Path(out + ".json").write_text(json.dumps({"machine": machine(), "load": load, "rows": rows}, indent=1))
+    print(text)
 
 
 def output_tokens_per_second(llm, prompts: list, params) -> float:
