@@ -60,6 +60,13 @@ class EngineConfig:
     # order ignores the batch); None: vLLM's switch, the environment's VLLM_BATCH_INVARIANT=1
     enable_deterministic_inference: bool | None = None
     prefix_cache: str = "hash"        # "hash": vLLM's chained block hashes; "radix": SGLang's radix tree
+    # vLLM's KV offloading: GiB of a tier below the pool that keeps evicted prefix blocks for their next
+    # hit (on a GPU host memory; on the CPU, whose pool is host memory, a file on disk), the backend
+    # ("native": llmopt/engine/kv_offload.py), and the folder of the disk tier's file (CPU: a temporary
+    # folder when None; GPU: a disk tier below the host one only when given)
+    kv_offloading_size: float | None = None
+    kv_offloading_backend: str | None = None
+    kv_offloading_path: str | os.PathLike | None = None
     load_format: str = "auto"         # "dummy": the model's shape with random weights (speed only)
     # Not in vLLM's LLM signature but in its spirit: the CPU KV budget (vLLM reads the
     # VLLM_CPU_KVCACHE_SPACE environment variable), and an opt-in per-step trace.
@@ -126,6 +133,7 @@ class EngineConfig:
                 if bad:
                     raise ValueError(f"{what}, but enable_prefix_caching=False turns the cache off; "
                                      "set enable_prefix_caching=True (or leave the default)")
+        self._check_offloading()
         if self.device not in ("auto", "cpu", "cuda") and not str(self.device).startswith("cuda:"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         if str(self.device).startswith("cuda") and not torch.cuda.is_available():
@@ -225,6 +233,7 @@ class EngineConfig:
                        # the copy-on-write of partly matched blocks runs in this process's pool only
                        (self.prefix_cache == "radix", "prefix_cache='radix'"),
                        (self.kv_cache_dtype != "auto", f"kv_cache_dtype={self.kv_cache_dtype!r}"),
+                       (self.kv_offloading_size is not None, "kv_offloading_size"),
                        (self.quantization is not None and self.tensor_parallel_size > 1,
                         f"quantization={self.quantization!r} (with tensor_parallel_size > 1)")]
             for bad, what in refused:
@@ -233,6 +242,33 @@ class EngineConfig:
                                      f"{self.tensor_parallel_size}, pipeline_parallel_size="
                                      f"{self.pipeline_parallel_size}; allowed there: the defaults "
                                      "(pipeline parallelism alone keeps quantized layers whole)")
+
+    def _check_offloading(self) -> None:
+        if isinstance(self.kv_offloading_path, os.PathLike):
+            self.kv_offloading_path = os.fspath(self.kv_offloading_path)
+        size, backend, path = self.kv_offloading_size, self.kv_offloading_backend, self.kv_offloading_path
+        if backend not in (None, "native"):
+            raise ValueError(f"kv_offloading_backend must be 'native' (or None: 'native' when kv_offloading_size "
+                             f"is set), got {backend!r}")
+        if size is None:
+            if backend is not None or path is not None:
+                raise ValueError("kv_offloading_backend / kv_offloading_path describe the offload tier; set "
+                                 "kv_offloading_size (GiB of it) too")
+            return
+        _real("kv_offloading_size", size)
+        if not 0 < size < float("inf"):
+            raise ValueError(f"kv_offloading_size (GiB) must be a finite number > 0, got {size}")
+        self.kv_offloading_backend = "native"
+        if path is not None and not (isinstance(path, str) and os.path.isdir(path)):
+            raise ValueError(f"kv_offloading_path must be an existing folder (the disk tier's file goes there), "
+                             f"got {path!r}")
+        for bad, what in ((not self.enable_prefix_caching, "enable_prefix_caching=False (the tier serves "
+                           "prefix-cache hits)"),
+                          (self.speculative_config is not None, "speculative_config (a draft's KV shares the "
+                           "blocks and is not offloaded)")):
+            if bad:
+                raise ValueError(f"kv_offloading_size keeps evicted prefix blocks below the pool; it is not "
+                                 f"allowed with {what}")
 
     # -- resolved values ------------------------------------------------------------------
     def torch_device(self) -> torch.device:

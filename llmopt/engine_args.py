@@ -30,6 +30,12 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="lpm: longest cached prefix first (SGLang)")
     g.add_argument("--prefix-cache", default="hash", choices=["hash", "radix"],
                    help="hash: vLLM's chained block hashes; radix: SGLang's radix tree (token granularity)")
+    g.add_argument("--kv-offloading-size", type=float, default=None,
+                   help="GiB of a tier below the KV pool that keeps evicted prefix blocks for their next hit "
+                        "(GPU: host memory; CPU: a file on disk)")
+    g.add_argument("--kv-offloading-backend", default=None, choices=["native"])
+    g.add_argument("--kv-offloading-path", default=None,
+                   help="folder of the offload tier's file (CPU: a temporary folder by default)")
     g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "int8", "int4"],
                    help="int8 / int4: integer codes, keys grouped per block and channel, values per token and "
                         "32 (int8) or 64 (int4) channels (KIVI's grouping)")
@@ -58,6 +64,7 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
 ENGINE_FLAGS = ["model", "tokenizer", "dtype", "device", "block_size", "num_kv_blocks",
                 "gpu_memory_utilization", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
                 "enable_chunked_prefill", "enable_prefix_caching", "scheduling_policy", "prefix_cache",
+                "kv_offloading_size", "kv_offloading_backend", "kv_offloading_path",
                 "kv_cache_dtype", "calculate_kv_scales", "kv_cache_rotation", "quantization", "load_format",
                 "speculative_config", "seed", "tensor_parallel_size", "pipeline_parallel_size", "enforce_eager",
                 "async_scheduling", "enable_deterministic_inference"]

@@ -23,10 +23,9 @@ import torch
 
 from llmopt.config import EngineConfig
 from llmopt.engine import stats
-from llmopt.engine.block_manager import BlockManager
+from llmopt.engine import kv_offload
 from llmopt.engine.kv_budget import HostMemoryRelease, check_kv_pool_fits, kv_blocks_from_budget
 from llmopt.engine.overlap import OverlapLoop
-from llmopt.engine.radix_cache import RadixCache
 from llmopt.engine.request_checks import ProcessedPrompt, check_priority, check_prompt, check_request
 from llmopt.engine.scheduler import Scheduler, SchedulerOutput
 from llmopt.model.config import ModelConfig
@@ -93,13 +92,15 @@ class LLMEngine:
         except BaseException:
             self.close()
             raise
-        prefix_cache = RadixCache if config.prefix_cache == "radix" else BlockManager
+        prefix_cache = kv_offload.prefix_cache_class(config.prefix_cache, config.kv_offloading_size is not None)
         self.block_manager = prefix_cache(self.num_blocks, self.block_size, config.enable_prefix_caching)
         if ex is not None:  # every rank allocates its share of the same blocks
             self.kv_cache = ex.init_kv_cache(self.num_blocks)
         else:  # one process (enforce_eager=True: attention in plain torch too, no kernel)
             self.kv_cache = kv_pools.build_kv_pool(cfg, self.num_blocks, self.block_size, self.dtype, self.device,
                                                    config.kv_cache_dtype, kernels=not config.enforce_eager)
+        if config.kv_offloading_size is not None:  # the tiers below the pool: host memory, disk
+            self.block_manager.offload = kv_offload.build_offload(self.kv_cache, config, self.device)
         kv_pools.set_kv_scales(self.kv_cache, config.calculate_kv_scales, self.model, self.tokenizer,
                                self.model_path, self.max_model_len, config.kv_cache_rotation)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
@@ -136,6 +137,8 @@ class LLMEngine:
         """Stop the worker ranks, if any, and the grammar compiler's threads."""
         if getattr(self, "structured", None) is not None:
             self.structured.close()
+        if getattr(getattr(self, "block_manager", None), "offload", None) is not None:
+            self.block_manager.offload.close()
         if self.executor is not None:
             self.executor.close()
 
@@ -284,11 +287,7 @@ class LLMEngine:
                     seq.clear_drafts()
         sched = self.scheduler.schedule()
         sched.prefix_hits_before = hits_before
-        copies = bm.take_block_copies() if bm.pending_copies else []
-        if copies:  # radix cache: hits that end inside a block get their slots before the forward
-            self.kv_cache.copy_blocks(copies)
-            if self.proposer is not None:
-                self.proposer.copy_blocks(copies)
+        kv_offload.move_blocks(self, sched)  # the radix cache's copies, the offload tier's stores and loads
         now = time.perf_counter()
         for seq, _ in sched.scheduled:
             if seq.metrics.first_scheduled_time is None:

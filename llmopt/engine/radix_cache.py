@@ -289,6 +289,7 @@ class RadixCache(BlockManager):
         freed = 0
         while freed < num_blocks and heap:
             _, _, leaf = heapq.heappop(heap)
+            self._evicting(leaf)
             parent = leaf.parent
             del parent.children[leaf.key[0]]
             for b in leaf.owned():
@@ -301,6 +302,9 @@ class RadixCache(BlockManager):
             self.num_evictable -= len(leaf.owned())
             if parent is not self.root and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(heap, (parent.last_access, id(parent), parent))
+
+    def _evicting(self, leaf: RadixNode) -> None:
+        """Called as `leaf` leaves the tree, its blocks still intact (the offload tier keeps them)."""
 
     def reset_prefix_cache(self) -> None:
         self._evict(self.num_blocks)

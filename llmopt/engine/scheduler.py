@@ -181,6 +181,10 @@ class Scheduler:
         self._preempt(victim, out)
         return True
 
+    def preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        """Take back a request `out` scheduled (its offloaded blocks failed their check): it recomputes."""
+        self._preempt(seq, out)
+
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         """Recompute-style preemption: drop its KV; it re-enters the queue at the front."""
         self.running.remove(seq)

@@ -75,6 +75,7 @@ def metrics(engine) -> dict[str, float]:
         # a constrained request whose grammar is compiling waits too (vLLM: WAITING_FOR_FSM)
         "num_requests_waiting": float(len(engine.scheduler.waiting) + len(engine.structured.pending)),
         "num_kv_blocks": float(engine.num_blocks),
+        **(bm.offload.metrics() if getattr(bm, "offload", None) is not None else {}),  # hits per tier
         **{k: float(v) for k, v in engine.stats.items()},
         **{k: float(v) for k, v in engine.structured.stats.items()},
     }

@@ -34,11 +34,20 @@ COUNTERS = {
     "num_preemptions": ("llmopt:num_preemptions", "Requests preempted (KV freed, recomputed later)."),
     "prefix_cache_queries": ("llmopt:prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
     "prefix_cache_hits": ("llmopt:prefix_cache_hits", "Prompt tokens found in the prefix cache."),
+    # the offload tier below the pool (kv_offloading_size): vLLM's names for hits from outside the pool
+    "external_prefix_cache_queries": ("llmopt:external_prefix_cache_queries",
+                                      "Prompt tokens looked up below the KV pool (the offload tier)."),
+    "external_prefix_cache_hits": ("llmopt:external_prefix_cache_hits",
+                                   "Prompt tokens loaded from the offload tier instead of recomputed."),
+    "kv_offload_stored_blocks": ("llmopt:kv_offload_stored_blocks", "KV blocks written to the offload tier."),
+    "kv_offload_refused_blocks": ("llmopt:kv_offload_refused_blocks",
+                                  "Offloaded KV blocks that failed their checksum (recomputed, never used)."),
     "spec_decode_num_drafts": ("llmopt:spec_decode_num_drafts", "Speculative draft runs verified."),
     "spec_decode_num_draft_tokens": ("llmopt:spec_decode_num_draft_tokens", "Draft tokens proposed."),
     "spec_decode_num_accepted_tokens": ("llmopt:spec_decode_num_accepted_tokens", "Draft tokens accepted."),
 }
 PER_POSITION = re.compile(r"spec_decode_num_accepted_tokens_per_pos_(\d+)$")
+PER_TIER = re.compile(r"kv_offload_hits_(\w+)$")
 
 
 class ServerMetrics:
@@ -56,6 +65,8 @@ class ServerMetrics:
         self.accepted_per_position = Counter(
             "llmopt:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by draft position.",
             labels + ["position"], registry=r)
+        self.offload_hits = Counter("llmopt:kv_offload_hits", "Prompt tokens loaded from an offload tier, by tier.",
+                                    labels + ["tier"], registry=r)
         self.request_success = Counter("llmopt:request_success", "Finished requests, by finish reason.",
                                        labels + ["finished_reason"], registry=r)
         self.request_rejected = Counter("llmopt:request_rejected", "Requests refused with 503, by reason.",
@@ -91,13 +102,14 @@ class ServerMetrics:
         self.num_requests_waiting.labels(name).set(m["num_requests_waiting"])
         self.kv_cache_usage.labels(name).set(m["kv_cache_usage_perc"])
         for key, value in m.items():
-            pos = PER_POSITION.match(key)
-            if key not in self.counters and not pos:
+            pos, tier = PER_POSITION.match(key), PER_TIER.match(key)
+            if key not in self.counters and not pos and not tier:
                 continue
             delta = value - self._totals.get(key, 0.0)
             self._totals[key] = value
             if delta > 0:
                 counter = (self.accepted_per_position.labels(name, pos.group(1)) if pos
+                           else self.offload_hits.labels(name, tier.group(1)) if tier
                            else self.counters[key].labels(name))
                 counter.inc(delta)
 
