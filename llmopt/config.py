@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import tempfile
 from dataclasses import dataclass
 from numbers import Integral, Real
 
@@ -17,6 +18,8 @@ import torch
 DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
           "float16": torch.float16, "half": torch.float16}
 KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "int8", "int4")
+KV_CONNECTORS = ("SharedMemoryConnector",)
+KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 KV_SCALE_STRATEGIES = ("tensor", "attn_head")  # calculate_kv_scales besides True / False
 QUANTIZATION = (None, "fp8", "int8", "gguf")
 LOAD_FORMATS = ("auto", "dummy")  # vLLM's names: the checkpoint's weights, or random ones of its shape
@@ -67,6 +70,10 @@ class EngineConfig:
     kv_offloading_size: float | None = None
     kv_offloading_backend: str | None = None
     kv_offloading_path: str | os.PathLike | None = None
+    # vLLM's disaggregated prefill / decode: {"kv_connector": "SharedMemoryConnector", "kv_role":
+    # "kv_producer" | "kv_consumer" | "kv_both", "kv_connector_extra_config": {"path": folder}}
+    # (llmopt/engine/kv_transfer.py)
+    kv_transfer_config: dict | None = None
     load_format: str = "auto"         # "dummy": the model's shape with random weights (speed only)
     # Not in vLLM's LLM signature but in its spirit: the CPU KV budget (vLLM reads the
     # VLLM_CPU_KVCACHE_SPACE environment variable), and an opt-in per-step trace.
@@ -134,6 +141,11 @@ class EngineConfig:
                     raise ValueError(f"{what}, but enable_prefix_caching=False turns the cache off; "
                                      "set enable_prefix_caching=True (or leave the default)")
         self._check_offloading()
+        if self.kv_transfer_config is not None:
+            self.kv_transfer_config = check_kv_transfer_config(self.kv_transfer_config)
+            if not self.enable_prefix_caching:
+                raise ValueError("kv_transfer_config hands a prompt's blocks over through the prefix cache; "
+                                 "enable_prefix_caching=False turns it off")
         if self.device not in ("auto", "cpu", "cuda") and not str(self.device).startswith("cuda:"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         if str(self.device).startswith("cuda") and not torch.cuda.is_available():
@@ -234,6 +246,7 @@ class EngineConfig:
                        (self.prefix_cache == "radix", "prefix_cache='radix'"),
                        (self.kv_cache_dtype != "auto", f"kv_cache_dtype={self.kv_cache_dtype!r}"),
                        (self.kv_offloading_size is not None, "kv_offloading_size"),
+                       (self.kv_transfer_config is not None, "kv_transfer_config"),
                        (self.quantization is not None and self.tensor_parallel_size > 1,
                         f"quantization={self.quantization!r} (with tensor_parallel_size > 1)")]
             for bad, what in refused:
@@ -281,6 +294,32 @@ class EngineConfig:
         device = self.torch_device()
         capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
         return resolve_dtype(self.dtype, device.type, capability, checkpoint_dtype)
+
+
+def check_kv_transfer_config(cfg) -> dict:
+    """vLLM's kv_transfer_config, checked (ValueError naming what is wrong), with the folder of the
+    transfer files filled in (shared memory: /dev/shm where the OS has it)."""
+    if not isinstance(cfg, dict):
+        raise TypeError(f"kv_transfer_config must be a dict, got {cfg!r}")
+    unknown = set(cfg) - {"kv_connector", "kv_role", "kv_connector_extra_config"}
+    if unknown:
+        raise ValueError(f"kv_transfer_config: unknown keys {sorted(unknown)}; allowed: kv_connector, kv_role, "
+                         "kv_connector_extra_config")
+    if cfg.get("kv_connector") not in KV_CONNECTORS:
+        raise ValueError(f"kv_transfer_config['kv_connector'] must be one of {', '.join(KV_CONNECTORS)}, "
+                         f"got {cfg.get('kv_connector')!r}")
+    if cfg.get("kv_role") not in KV_ROLES:
+        raise ValueError(f"kv_transfer_config['kv_role'] must be one of {', '.join(KV_ROLES)}, got {cfg.get('kv_role')!r}")
+    extra = cfg.get("kv_connector_extra_config") or {}
+    if not isinstance(extra, dict) or set(extra) - {"path"}:
+        raise ValueError(f"kv_transfer_config['kv_connector_extra_config'] takes only 'path' (the folder of the "
+                         f"transfer files), got {extra!r}")
+    shm = os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK)
+    folder = extra.get("path") or ("/dev/shm" if shm else tempfile.gettempdir())
+    if not (isinstance(folder, str) and os.path.isdir(folder)):
+        raise ValueError(f"kv_transfer_config['kv_connector_extra_config']['path'] must be an existing folder, "
+                         f"got {folder!r}")
+    return {**cfg, "kv_connector_extra_config": {"path": folder}}
 
 
 def _batch_invariant_from_env() -> bool:

@@ -69,3 +69,4 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     error: Exception | None = field(default=None, repr=False)  # why finish_reason is "error"
+    kv_transfer_params: dict | None = None  # a prefill engine's: where the prompt's KV went (vLLM's name)

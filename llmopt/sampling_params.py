@@ -48,6 +48,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputsParams | None = None  # JSON schema, regex, choice, grammar
+    # vLLM's: what an engine's plugins read; here {"kv_transfer_params": {...}} for disaggregated
+    # prefill and decode (llmopt/engine/kv_transfer.py)
+    extra_args: dict | None = None
     # derived once the fields are checked, so that each step reads plain attributes: `stop` as a
     # list, and whether the request is greedy
     stop_strings: list[str] = field(init=False, default_factory=list, repr=False, compare=False)
@@ -96,6 +99,9 @@ class SamplingParams:
         if not all(isinstance(t, Integral) and not isinstance(t, bool) and t >= 0 for t in ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
         self.stop_token_ids = [int(t) for t in ids]
+        if self.extra_args is not None and not (isinstance(self.extra_args, dict) and all(
+                isinstance(v, dict) for k, v in self.extra_args.items() if k == "kv_transfer_params")):
+            raise TypeError(f"extra_args must be a dict (kv_transfer_params: a dict), got {self.extra_args!r}")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise TypeError("structured_outputs must be a StructuredOutputsParams (json=, regex=, choice=, "
                             f"grammar= or json_object=True), got {type(self.structured_outputs).__name__}")

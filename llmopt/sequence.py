@@ -126,4 +126,5 @@ class Sequence:
             logprobs=self.logprobs if self.params.logprobs is not None else None,
             finish_reason=self.finish_reason, stop_reason=self.stop_reason)
         return RequestOutput(self.request_id, self.prompt, list(self.prompt_token_ids), [out],
-                             self.is_finished, self.metrics, self.num_cached_tokens, self.error)
+                             self.is_finished, self.metrics, self.num_cached_tokens, self.error,
+                             getattr(self, "kv_transfer_params", None))

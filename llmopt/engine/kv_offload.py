@@ -57,14 +57,20 @@ class KVOffload:
 
     def __init__(self, stores: list, kv_cache, block_size: int):
         self.tiers = [TierIndex(s) for s in stores]
+        self.remote: list[TierIndex] = []  # read-only tiers another engine wrote (llmopt/engine/kv_transfer.py)
         self.rows = BlockBytes(kv_cache)
         self.block_size = block_size
         self.stores: dict[int, int] = {}              # hash -> pool block evicted this step
-        self.loads: list[tuple[int, int, int]] = []   # (hash, tier, pool block) claimed this step
+        self.loads: list[tuple[int, TierIndex, int]] = []  # (hash, tier, pool block) claimed this step
         self.query_tokens = self.num_stored = self.num_dropped = self.num_refused = 0
+        self.transfer_hit_tokens = 0  # loaded from transfer files since closed
+
+    @property
+    def all_tiers(self) -> list[TierIndex]:
+        return self.tiers + self.remote
 
     def tier_of(self, h: int) -> int | None:
-        return next((i for i, t in enumerate(self.tiers) if h in t.entries), None)
+        return next((i for i, t in enumerate(self.all_tiers) if h in t.entries), None)
 
     def find(self, parent: int | None, token_ids: list[int], first: int, max_blocks: int) -> list[tuple[int, int]]:
         """(hash, tier) of blocks first, first + 1, ... found below the pool, while the chain holds."""
@@ -81,15 +87,16 @@ class KVOffload:
     # -- what the scheduler decides ------------------------------------------------------------
     def evicted(self, block: int, h: int) -> None:
         """The pool is about to reuse `block`, which holds the block hashed `h`."""
-        tier = self.tier_of(h)
+        tier = next((t for t in self.tiers if h in t.entries), None)
         if tier is None:
             self.stores[h] = block
         else:  # already below: now its most recently used entry
-            self.tiers[tier].entries.move_to_end(h)
+            tier.entries.move_to_end(h)
 
     def claim(self, loads: list[tuple[int, int]], blocks: list[int]) -> None:
         """Loads (hash, tier) into fresh pool `blocks` before the next forward."""
-        self.loads += [(h, tier, b) for (h, tier), b in zip(loads, blocks)]
+        tiers = self.all_tiers
+        self.loads += [(h, tiers[tier], b) for (h, tier), b in zip(loads, blocks)]
 
     # -- what the step moves ---------------------------------------------------------------------
     def store_evicted(self) -> None:
@@ -127,8 +134,7 @@ class KVOffload:
             return set()
         rows = torch.empty((len(self.loads), self.rows.nbytes), dtype=torch.uint8)
         good, failed = [], set()
-        for k, (h, i, block) in enumerate(self.loads):
-            tier = self.tiers[i]
+        for k, (h, tier, block) in enumerate(self.loads):
             slot, crc = tier.entries[h]
             if tier.store.read(slot, rows[k]) and checksum(rows[k]) == crc:
                 tier.entries.move_to_end(h)
@@ -155,13 +161,15 @@ class KVOffload:
 
     def metrics(self) -> dict[str, float]:
         m = {"external_prefix_cache_queries": float(self.query_tokens),
-             "external_prefix_cache_hits": float(sum(t.hit_tokens for t in self.tiers)),
+             "external_prefix_cache_hits": float(sum(t.hit_tokens for t in self.all_tiers) + self.transfer_hit_tokens),
              "kv_offload_stored_blocks": float(self.num_stored),
              "kv_offload_dropped_blocks": float(self.num_dropped),
              "kv_offload_refused_blocks": float(self.num_refused)}
         for t in self.tiers:
             m[f"kv_offload_hits_{t.name}"] = float(t.hit_tokens)
             m[f"kv_offload_blocks_{t.name}"] = float(len(t.entries))
+        if self.remote or self.transfer_hit_tokens:  # a disaggregated decode engine's received prompts
+            m["kv_offload_hits_transfer"] = float(self.transfer_hit_tokens + sum(t.hit_tokens for t in self.remote))
         return m
 
 
@@ -269,8 +277,9 @@ def build_offload(pool, config, device) -> KVOffload:
     """The tiers below `pool`: config.kv_offloading_size GiB each (llmopt/worker/kv_tier.py's
     build_tiers; a disk tier's file in config.kv_offloading_path)."""
     nbytes = BlockBytes(pool).nbytes
-    return KVOffload(build_tiers(config.kv_offloading_size, nbytes, device, config.kv_offloading_path),
-                     pool, config.block_size)
+    tiers = ([] if config.kv_offloading_size is None else  # none: only received prompts (kv_transfer_config)
+             build_tiers(config.kv_offloading_size, nbytes, device, config.kv_offloading_path))
+    return KVOffload(tiers, pool, config.block_size)
 
 
 def prefix_cache_class(kind: str, offloading: bool) -> type:
@@ -292,6 +301,9 @@ def move_blocks(engine, sched) -> None:
         if engine.proposer is not None:
             engine.proposer.copy_blocks(copies)
     failed = offload.load_claimed() if offload is not None else ()
+    if getattr(engine, "kv_connector", None) is not None and engine.kv_connector.open:
+        for seq, _ in sched.scheduled:  # loaded: a received prompt's file is no longer needed
+            engine.kv_connector.release(seq.request_id)
     for seq, _ in list(sched.scheduled) if failed else ():
         if failed.intersection(bm.block_tables.get(seq.request_id, ())):
             engine.scheduler.preempt(seq, sched)

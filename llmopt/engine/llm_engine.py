@@ -24,6 +24,7 @@ import torch
 from llmopt.config import EngineConfig
 from llmopt.engine import stats
 from llmopt.engine import kv_offload
+from llmopt.engine.kv_transfer import make_connector
 from llmopt.engine.kv_budget import HostMemoryRelease, check_kv_pool_fits, kv_blocks_from_budget
 from llmopt.engine.overlap import OverlapLoop
 from llmopt.engine.request_checks import ProcessedPrompt, check_priority, check_prompt, check_request
@@ -92,15 +93,17 @@ class LLMEngine:
         except BaseException:
             self.close()
             raise
-        prefix_cache = kv_offload.prefix_cache_class(config.prefix_cache, config.kv_offloading_size is not None)
+        offloading = config.kv_offloading_size is not None or config.kv_transfer_config is not None
+        prefix_cache = kv_offload.prefix_cache_class(config.prefix_cache, offloading)
         self.block_manager = prefix_cache(self.num_blocks, self.block_size, config.enable_prefix_caching)
         if ex is not None:  # every rank allocates its share of the same blocks
             self.kv_cache = ex.init_kv_cache(self.num_blocks)
         else:  # one process (enforce_eager=True: attention in plain torch too, no kernel)
             self.kv_cache = kv_pools.build_kv_pool(cfg, self.num_blocks, self.block_size, self.dtype, self.device,
                                                    config.kv_cache_dtype, kernels=not config.enforce_eager)
-        if config.kv_offloading_size is not None:  # the tiers below the pool: host memory, disk
+        if offloading:  # the tiers below the pool (host memory, disk), a decode engine's received prompts
             self.block_manager.offload = kv_offload.build_offload(self.kv_cache, config, self.device)
+        self.kv_connector = make_connector(config, self.block_manager)  # disaggregated prefill / decode
         kv_pools.set_kv_scales(self.kv_cache, config.calculate_kv_scales, self.model, self.tokenizer,
                                self.model_path, self.max_model_len, config.kv_cache_rotation)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
@@ -137,7 +140,9 @@ class LLMEngine:
         """Stop the worker ranks, if any, and the grammar compiler's threads."""
         if getattr(self, "structured", None) is not None:
             self.structured.close()
-        if getattr(getattr(self, "block_manager", None), "offload", None) is not None:
+        if getattr(self, "kv_connector", None) is not None:  # received prompts' files
+            self.kv_connector.close()
+        if getattr(getattr(self, "block_manager", None), "offload", None) is not None:  # the tier's file
             self.block_manager.offload.close()
         if self.executor is not None:
             self.executor.close()
@@ -168,12 +173,11 @@ class LLMEngine:
         priority = check_priority(priority)
         checked = prompt if isinstance(prompt, ProcessedPrompt) else self.process_inputs(prompt, params, request_id)
         params = checked.params
-        gen = None
-        if params.seed is not None:
-            gen = torch.Generator(device=self.device).manual_seed(params.seed)
-        elif not params.greedy:
-            gen = self.generator
+        gen = (torch.Generator(device=self.device).manual_seed(params.seed) if params.seed is not None
+               else None if params.greedy else self.generator)  # a seed: the request's own draws
         seq = Sequence(request_id, checked.text, checked.token_ids, params, gen, arrival_time, priority)
+        if self.kv_connector is not None:
+            self.kv_connector.receive(seq)  # a decode engine: the prompt's blocks another engine sent
         self.requests[request_id] = seq
         if params.structured_outputs is not None:
             self.structured.add(seq)  # joins the scheduler once its grammar has compiled
@@ -211,6 +215,8 @@ class LLMEngine:
         self.requests.pop(seq.request_id, None)
         self.scheduler.remove(seq)
         self.structured.remove(seq)
+        if self.kv_connector is not None:  # a received prompt's file, if its first step has not run
+            self.kv_connector.release(seq.request_id)
         seq.clear_drafts()
         if self.proposer is not None:
             self.proposer.forget(seq.request_id)
@@ -245,17 +251,16 @@ class LLMEngine:
         return [out for out in outputs if out is not None]
 
     def _finish(self, seq: Sequence) -> RequestOutput:
+        seq.kv_transfer_params = self.kv_connector.send(seq) if self.kv_connector is not None else None
         self.remove_request(seq)
         seq.finalize_text(self.detokenizer)
         self.stats["num_finished"] += 1
         return seq.to_output()
 
     def _pipelined_step(self) -> list[RequestOutput]:
-        """Several micro-batches in flight: how pipeline parallelism keeps every stage busy. Up to
-        `pp` steps are submitted, each scheduled from the requests not already in one (a request
-        needs its last token back before its next step); while stage 1 runs micro-batch A, stage
-        0 runs B. vLLM runs pipeline_parallel_size virtual engines, each with its own scheduler;
-        here one scheduler takes turns, so the KV pool and the prefix cache stay shared."""
+        """Several micro-batches in flight (pipeline parallelism): up to `pp` steps submitted, each from
+        requests not already in one; while stage 1 runs micro-batch A, stage 0 runs B. One scheduler
+        takes turns (vLLM: one per virtual engine), so the KV pool and the prefix cache stay shared."""
         while len(self.in_flight) < self.runner.max_in_flight:
             sched = self._schedule()
             if not sched.scheduled:
@@ -390,10 +395,6 @@ class LLMEngine:
             for seq, (drafts, q) in zip(seqs, self.proposer.propose(seqs, ks, self.block_manager.block_tables)):
                 seq.spec_token_ids, seq.spec_draft_probs = drafts, q
 
-    # -- numbers (llmopt/engine/stats.py) ---------------------------------------------------------------
-    def memory_stats(self) -> dict[str, float]:
-        """Blocks used, slots they reserve, and tokens actually stored in them."""
-        return stats.memory_stats(self)
-
-    def get_metrics(self) -> dict[str, float]:
-        return stats.metrics(self)
+    # -- numbers (llmopt/engine/stats.py): blocks used, slots reserved, tokens stored; LLM.get_metrics()
+    memory_stats = stats.memory_stats
+    get_metrics = stats.metrics
