@@ -64,6 +64,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_security_flags(serve)
     add_engine_flags(serve)
 
+    router = sub.add_parser("router", help="one endpoint in front of a prefill and a decode server "
+                                           "(disaggregated prefill / decode)")
+    router.add_argument("--prefill", required=True, help="the prefill server's URL (kv_role kv_producer)")
+    router.add_argument("--decode", required=True, help="the decode server's URL (kv_role kv_consumer)")
+    router.add_argument("--host", default="127.0.0.1")
+    router.add_argument("--port", type=int, default=8000)
     quant = sub.add_parser("quantize", help="quantize a model's weights (RTN, GPTQ, AWQ, FP8, NF4, GGUF) into a checkpoint")
     quant.add_argument("--model", default="tiny", help="bundled name, shape (gguf with --load-format dummy) or HF folder (full precision)")
     quant.add_argument("--out", required=True, help="folder to write the quantized checkpoint to (gguf: a .gguf file)")
@@ -118,6 +124,10 @@ def main(argv: list[str] | None = None) -> int:
             return serve(engine_kwargs(args), args.host, args.port, args.served_model_name, args.threads,
                          args.shutdown_timeout, security=Security.from_args(args),
                          max_waiting_requests=args.max_waiting_requests, request_timeout=args.request_timeout)
+        if args.command == "router":
+            from llmopt.server.disagg_router import run_router
+
+            return run_router(args.prefill, args.decode, args.host, args.port)
         if args.command == "quantize":
             return _quantize(args)
     except (ValueError, TypeError) as e:

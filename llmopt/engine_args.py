@@ -36,6 +36,9 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-offloading-backend", default=None, choices=["native"])
     g.add_argument("--kv-offloading-path", default=None,
                    help="folder of the offload tier's file (CPU: a temporary folder by default)")
+    g.add_argument("--kv-transfer-config", type=_json_dict, default=None,
+                   help='disaggregated prefill / decode, e.g. \'{"kv_connector": "SharedMemoryConnector", '
+                        '"kv_role": "kv_producer"}\' (or kv_consumer; llmopt router sits in front of the two)')
     g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "int8", "int4"],
                    help="int8 / int4: integer codes, keys grouped per block and channel, values per token and "
                         "32 (int8) or 64 (int4) channels (KIVI's grouping)")
@@ -64,7 +67,7 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
 ENGINE_FLAGS = ["model", "tokenizer", "dtype", "device", "block_size", "num_kv_blocks",
                 "gpu_memory_utilization", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
                 "enable_chunked_prefill", "enable_prefix_caching", "scheduling_policy", "prefix_cache",
-                "kv_offloading_size", "kv_offloading_backend", "kv_offloading_path",
+                "kv_offloading_size", "kv_offloading_backend", "kv_offloading_path", "kv_transfer_config",
                 "kv_cache_dtype", "calculate_kv_scales", "kv_cache_rotation", "quantization", "load_format",
                 "speculative_config", "seed", "tensor_parallel_size", "pipeline_parallel_size", "enforce_eager",
                 "async_scheduling", "enable_deterministic_inference"]

@@ -125,21 +125,40 @@ class SharedMemoryConnector:
         return {"remote_path": path, "remote_num_tokens": len(table) * self.block_size}
 
     # -- consumer --------------------------------------------------------------------------------
+    def check(self, params: dict, prompt: list[int]) -> None:
+        """ValueError naming what is wrong with a request's kv_transfer_params, before admission."""
+        unknown = set(params) - {"do_remote_decode", "remote_path", "remote_num_tokens"}
+        if unknown:
+            raise ValueError(f"kv_transfer_params: unknown keys {sorted(unknown)}; allowed: do_remote_decode "
+                             "(to a prefill engine), remote_path and remote_num_tokens (what it answered)")
+        if params.get("do_remote_decode") and self.role == "kv_consumer":
+            raise ValueError("kv_transfer_params asks to send this prompt's KV on (do_remote_decode), but this "
+                             "engine's kv_role is kv_consumer (it receives, it does not send)")
+        if params.get("remote_path") is not None:
+            self._open(params, prompt).close(remove=False)
+
+    def _open(self, params: dict, prompt: list[int]) -> TransferFile:
+        if self.role == "kv_producer":
+            raise ValueError("kv_transfer_params names a transfer file, but this engine's kv_role is kv_producer "
+                             "(it sends, it does not receive)")
+        path = params["remote_path"]
+        if not isinstance(path, str):
+            raise ValueError(f"kv_transfer_params['remote_path'] must be a string, got {path!r}")
+        store = TransferFile(path, self.bm.offload.rows.nbytes, self.block_size)
+        tokens = store.header["token_ids"]
+        if list(prompt[:len(tokens)]) != tokens:
+            store.close(remove=False)
+            raise ValueError(f"kv_transfer_params: {path!r} holds the KV of another prompt")
+        return store
+
     def receive(self, seq) -> None:
         """Open the file `seq`'s kv_transfer_params name as a tier its admission will load from
         (ValueError if it is not usable: its tokens must begin `seq`'s prompt)."""
         params = (seq.params.extra_args or {}).get("kv_transfer_params") or {}
-        path = params.get("remote_path")
-        if path is None:
+        if params.get("remote_path") is None:
             return
-        if self.role == "kv_producer":
-            raise ValueError("kv_transfer_params names a transfer file, but this engine's kv_role is kv_producer "
-                             "(it sends, it does not receive)")
-        store = TransferFile(str(path), self.bm.offload.rows.nbytes, self.block_size)
+        store = self._open(params, list(seq.prompt_token_ids))
         tokens = store.header["token_ids"]
-        if list(seq.prompt_token_ids[:len(tokens)]) != tokens:
-            store.close(remove=False)
-            raise ValueError(f"kv_transfer_params: {path!r} holds the KV of another prompt")
         tier, h = TierIndex(store), None
         for i, crc in enumerate(store.header["crcs"]):
             h = hash_block(h, tuple(tokens[i * self.block_size:(i + 1) * self.block_size]))

@@ -75,6 +75,11 @@ def check_request(engine, ids: list[int], params: SamplingParams, index: int | s
         raise ValueError(f"request {index}: stop_token_ids and EOS cover the whole vocabulary, so "
                          "min_tokens leaves no token to generate")
     engine.structured.check(params, index)
+    transfer = (params.extra_args or {}).get("kv_transfer_params")
+    if transfer:  # disaggregated prefill / decode: what this engine is to send or receive, checked now
+        if engine.kv_connector is None:
+            raise ValueError(f"request {index}: kv_transfer_params, but this engine has no kv_transfer_config")
+        engine.kv_connector.check(transfer, ids)
     worst = min(engine.max_model_len, len(ids) + (params.max_tokens or engine.max_model_len))
     need = engine.block_manager.blocks_needed(worst)
     if need > engine.num_blocks:

@@ -100,7 +100,8 @@ def build_app(llm: AsyncLLM, max_request_bytes: int = MAX_REQUEST_BYTES,
         return Response(llm.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     bodies = request_schemas(llm.model_name, llm.max_model_len, llm.engine.model_config.vocab_size,
-                             llm.engine.config.scheduling_policy == "priority")
+                             llm.engine.config.scheduling_policy == "priority",
+                             llm.engine.config.kv_transfer_config is not None)
 
     @app.post("/v1/completions", openapi_extra=request_body(bodies["/v1/completions"]))
     async def completions(request: Request):
@@ -177,7 +178,7 @@ async def _serve_request(llm: AsyncLLM, request: Request, chat: bool, max_bytes:
     c = out.outputs[0]
     use = usage(len(ids), len(c.token_ids))
     make = chat_response if req.is_chat else completion_response
-    return make(rid, llm.model_name, c.text, c.finish_reason, use)
+    return make(rid, llm.model_name, c.text, c.finish_reason, use, out.kv_transfer_params)
 
 
 def failed_request_error(e: RequestFailed) -> APIError:

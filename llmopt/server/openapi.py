@@ -32,8 +32,10 @@ MESSAGE = {"type": "object", "required": ["role", "content"], "properties": {
     "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": TEXT_PART}]}}}
 
 
-def request_schemas(model: str, max_model_len: int, vocab_size: int, priority_scheduling: bool) -> dict[str, dict]:
-    """path -> JSON Schema of the body, for POST /v1/completions and /v1/chat/completions."""
+def request_schemas(model: str, max_model_len: int, vocab_size: int, priority_scheduling: bool,
+                    kv_transfer: bool = False) -> dict[str, dict]:
+    """path -> JSON Schema of the body, for POST /v1/completions and /v1/chat/completions
+    (`kv_transfer`: the server has a kv_transfer_config, so kv_transfer_params may say something)."""
     token_id = {"type": "integer", "minimum": 0, "maximum": vocab_size - 1}
     token_ids = {"type": "array", "items": token_id, "minItems": 1}
     # a prompt has at least one token, and prompt + max_tokens must fit the context
@@ -61,6 +63,7 @@ def request_schemas(model: str, max_model_len: int, vocab_size: int, priority_sc
         "presence_penalty": _only(0),
         "frequency_penalty": _only(0),
         "logit_bias": _optional({"type": "object", "maxProperties": 0}),
+        "kv_transfer_params": _optional({"type": "object"} if kv_transfer else {"type": "object", "maxProperties": 0}),
     }
     common = {"type": "object", "additionalProperties": False,
               # stream_options only with "stream": true

@@ -120,6 +120,18 @@ class ServerProcess:
             os.unlink(self.log_path)  # kept for a look when the exit was not clean
 
 
+class RouterProcess(ServerProcess):
+    """`llmopt router` (llmopt/server/disagg_router.py) in front of a prefill and a decode server, as a
+    child process; ready when both servers are."""
+
+    def __init__(self, prefill_url: str, decode_url: str, host: str = "127.0.0.1", port: int | None = None):
+        super().__init__(["--prefill", prefill_url, "--decode", decode_url], host, port, threads=None)
+
+    @property
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "llmopt", "router", "--host", self.host, "--port", str(self.port), *self.args]
+
+
 def start_all(servers: list[ServerProcess], timeout: float = 180.0) -> list[ServerProcess]:
     """Launch every server, then wait for each: they load their models at the same time.
     If one fails to start, the others are stopped before the error is raised."""

@@ -101,9 +101,10 @@ SAMPLING_FIELDS = {"max_tokens", "temperature", "top_p", "n", "stop", "seed", "s
                    # vLLM's extras
                    "top_k", "min_p", "min_tokens", "ignore_eos", "stop_token_ids", "priority",
                    "skip_special_tokens", "include_stop_str_in_output"}
-COMPLETION_FIELDS = SAMPLING_FIELDS | {"model", "prompt", "echo", "suffix", "best_of", "structured_outputs"}
+COMPLETION_FIELDS = SAMPLING_FIELDS | {"model", "prompt", "echo", "suffix", "best_of", "structured_outputs",
+                                       "kv_transfer_params"}   # vLLM's, for disaggregated prefill / decode
 CHAT_FIELDS = SAMPLING_FIELDS | {"model", "messages", "max_completion_tokens", "top_logprobs",
-                                 "response_format", "structured_outputs"}
+                                 "response_format", "structured_outputs", "kv_transfer_params"}
 
 
 def _is_int(v) -> bool:
@@ -219,12 +220,15 @@ def _sampling(body: dict, max_tokens_field: str = "max_tokens", default_max_toke
         include_usage = stream_options.get("include_usage") or False
     priority = _get(body, "priority", _is_int, "an integer (lower is served first)", 0)
     _get(body, "user", lambda v: isinstance(v, str), "a string")
+    transfer = _get(body, "kv_transfer_params", lambda v: isinstance(v, dict), "an object (disaggregated "
+                    "prefill / decode: what the prefill server answered, or {\"do_remote_decode\": true})")
     try:  # checked above field by field; this only backs that up: a 400, never a 500
         params = SamplingParams(temperature=float(temperature), top_p=float(top_p), top_k=top_k,
                                 min_p=float(min_p), seed=seed, max_tokens=max_tokens, min_tokens=min_tokens,
                                 stop=stop, stop_token_ids=stop_token_ids, ignore_eos=flags["ignore_eos"],
                                 skip_special_tokens=flags["skip_special_tokens"],
-                                include_stop_str_in_output=flags["include_stop_str_in_output"])
+                                include_stop_str_in_output=flags["include_stop_str_in_output"],
+                                extra_args=None if transfer is None else {"kv_transfer_params": transfer})
     except (ValueError, TypeError) as e:
         raise APIError(str(e)) from None
     return params, flags["stream"], include_usage, priority
@@ -300,17 +304,19 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def completion_response(rid: str, model: str, text: str, finish_reason: str | None, use: dict) -> dict:
+def completion_response(rid: str, model: str, text: str, finish_reason: str | None, use: dict,
+                        kv_transfer_params: dict | None = None) -> dict:
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
             "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
-            "usage": use}
+            "usage": use, **({"kv_transfer_params": kv_transfer_params} if kv_transfer_params else {})}
 
 
-def chat_response(rid: str, model: str, text: str, finish_reason: str | None, use: dict) -> dict:
+def chat_response(rid: str, model: str, text: str, finish_reason: str | None, use: dict,
+                  kv_transfer_params: dict | None = None) -> dict:
     return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
                          "logprobs": None, "finish_reason": finish_reason}],
-            "usage": use}
+            "usage": use, **({"kv_transfer_params": kv_transfer_params} if kv_transfer_params else {})}
 
 
 def completion_chunk(rid: str, model: str, created: int, text: str, finish_reason: str | None) -> dict:
