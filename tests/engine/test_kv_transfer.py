@@ -51,14 +51,15 @@ def test_disaggregated_tokens_equal_one_engines(engines):
 
 def test_a_damaged_transfer_is_recomputed(engines):
     one, pre, dec = engines
-    want = one.generate([PROMPT], greedy(6), use_tqdm=False)[0].outputs[0].token_ids
-    params = prefill(pre)
+    prompt = "Another talk: " + " ".join(f"v{j}" for j in range(60))  # nothing of it in the decode pool yet
+    want = one.generate([prompt], greedy(6), use_tqdm=False)[0].outputs[0].token_ids
+    params = prefill(pre, prompt)
     with open(params["remote_path"], "r+b") as f:
         f.seek(-10, os.SEEK_END)
         f.write(b"\xff" * 10)
     refused = dec.get_metrics()["kv_offload_refused_blocks"]
-    assert dec.generate([PROMPT], greedy(6, params), use_tqdm=False)[0].outputs[0].token_ids == want
-    assert dec.get_metrics()["kv_offload_refused_blocks"] == refused + 1
+    assert dec.generate([prompt], greedy(6, params), use_tqdm=False)[0].outputs[0].token_ids == want
+    assert dec.get_metrics()["kv_offload_refused_blocks"] == refused + 1  # the last row's CRC failed
     assert not os.path.exists(params["remote_path"])
 
 
