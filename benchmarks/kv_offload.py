@@ -85,7 +85,7 @@ def main(argv=None) -> None:
             f"({100 * blocks * 16 / final:.0f}% of the conversations' final KV); tier: {args.offload_gib} GiB file.\n\n"
             + table(head, body) +
             f"\nReturning turns' time to first token, recompute / tier: **{speedup:.2f}x**.\n")
-    write_result(args.out, text, load, [{k: v for k, v in r.items()} for r in runs.values()])
+    write_result(args.out, text, load, list(runs.values()))
 
 
 if __name__ == "__main__":

@@ -103,12 +103,13 @@ class KVOffload:
         """Copy this step's evicted blocks into the first tier."""
         if self.stores:
             rows = self.rows.gather(list(self.stores.values()))
+            loading = {h for h, _, _ in self.loads}  # entries this step's loads still need
             for h, row in zip(self.stores, rows):
-                self._put(0, h, row)
+                self._put(0, h, row, loading)
             self.stores = {}
 
-    def _put(self, i: int, h: int, row: torch.Tensor) -> None:
-        tier, loading = self.tiers[i], {h for h, _, _ in self.loads}
+    def _put(self, i: int, h: int, row: torch.Tensor, loading: set[int]) -> None:
+        tier = self.tiers[i]
         if not tier.free:  # make room: the least recently used entry no load is waiting for
             victim = next((k for k in tier.entries if k not in loading), None)
             if victim is None:
@@ -118,7 +119,7 @@ class KVOffload:
             if i + 1 < len(self.tiers):
                 moved = torch.empty(self.rows.nbytes, dtype=torch.uint8)
                 if tier.store.read(slot, moved) and checksum(moved) == crc:
-                    self._put(i + 1, victim, moved)
+                    self._put(i + 1, victim, moved, loading)
             else:
                 self.num_dropped += 1
             tier.free.append(slot)
@@ -181,9 +182,6 @@ class Offloaded:
     match: object
     first: int
     loads: list[tuple[int, int]]
-
-    def __bool__(self) -> bool:
-        return True
 
 
 class OffloadingCache:

@@ -292,7 +292,8 @@ class LLMEngine:
                     seq.clear_drafts()
         sched = self.scheduler.schedule()
         sched.prefix_hits_before = hits_before
-        kv_offload.move_blocks(self, sched)  # the radix cache's copies, the offload tier's stores and loads
+        if bm.pending_copies or getattr(bm, "offload", None) is not None:  # a plain step moves no block
+            kv_offload.move_blocks(self, sched)  # the radix cache's copies, the offload tier's stores and loads
         now = time.perf_counter()
         for seq, _ in sched.scheduled:
             if seq.metrics.first_scheduled_time is None:
