@@ -137,13 +137,12 @@ class LLMEngine:
         self._memory_release = HostMemoryRelease()
 
     def close(self) -> None:
-        """Stop the worker ranks, if any, and the grammar compiler's threads."""
-        if getattr(self, "structured", None) is not None:
-            self.structured.close()
-        if getattr(self, "kv_connector", None) is not None:  # received prompts' files
-            self.kv_connector.close()
-        if getattr(getattr(self, "block_manager", None), "offload", None) is not None:  # the tier's file
-            self.block_manager.offload.close()
+        """Stop the grammar compiler's threads and the worker ranks, if any; close received prompts' files
+        and the offload tier's."""
+        for part in (getattr(self, "structured", None), getattr(self, "kv_connector", None),
+                     getattr(getattr(self, "block_manager", None), "offload", None)):
+            if part is not None:
+                part.close()
         if self.executor is not None:
             self.executor.close()
 
