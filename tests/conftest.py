@@ -13,7 +13,8 @@ def pytest_configure(config):
     """On pytest-xdist's workers (`-n 2`), each worker's torch gets its share of the cores: two
     workers of two threads each on a 2-core machine put four busy threads on two cores, and every
     parallel region then waits for its descheduled thread. What a worker starts (servers, parallel
-    workers, notebook kernels) keeps its own setting."""
+    workers) keeps its own setting; notebook kernels get the worker's share through OMP_NUM_THREADS
+    (tests/browser/lab_server.py), which the lessons' two-thread sections keep to."""
     workers = getattr(config, "workerinput", {}).get("workercount")
     if workers:
         import torch

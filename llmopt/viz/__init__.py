@@ -6,8 +6,8 @@ that draw neither.
 """
 
 from llmopt.viz.claims import machine, measured, quoted
-from llmopt.viz.notebook import check_answer, committed_result, format_table, in_colab, setup_notebook
+from llmopt.viz.notebook import check_answer, committed_result, format_table, in_colab, lesson_threads, setup_notebook
 from llmopt.viz.spec import SpecTokens, spec_widget, token_sources
 
-__all__ = ["check_answer", "committed_result", "format_table", "in_colab", "setup_notebook",
+__all__ = ["check_answer", "committed_result", "format_table", "in_colab", "lesson_threads", "setup_notebook",
            "SpecTokens", "spec_widget", "token_sources", "machine", "measured", "quoted"]

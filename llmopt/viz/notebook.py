@@ -8,6 +8,7 @@ Every plot has a plain-text table of the same numbers beside it, for viewers tha
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from numbers import Number
 from typing import Callable
@@ -19,6 +20,18 @@ from llmopt.package_data import committed_result  # noqa: F401  (lessons import 
 
 def in_colab() -> bool:
     return "google.colab" in sys.modules
+
+
+def lesson_threads(want: int) -> int:
+    """The threads a lesson's section runs on: `want`, or fewer where this process may use fewer cores
+    (its CPU affinity) or OMP_NUM_THREADS asks for fewer, as it does where the notebook shares the
+    machine with other work. More threads than free cores make every parallel region wait for a
+    descheduled thread, so a section measured that way would time the waiting."""
+    cap = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    asked = os.environ.get("OMP_NUM_THREADS", "")
+    if asked.isdigit() and int(asked) > 0:
+        cap = min(cap, int(asked))
+    return max(1, min(want, cap))
 
 
 # Widget labels at their full width: ipywidgets' default (about 90 px) cuts "temperature" to "temperat…"

@@ -35,6 +35,18 @@ def kernel_env() -> dict[str, str]:
     return dict(run_lessons.KERNEL_ENV)
 
 
+def shared_machine_env() -> dict[str, str]:
+    """On one of pytest-xdist's workers the lessons' kernels share the cores with the other worker's
+    tests: OMP_NUM_THREADS gives them the worker's share, which a lesson's two-thread sections keep to
+    (llmopt.viz.lesson_threads). Two threads on a core another process is using make every parallel
+    region wait for the descheduled one: a lesson took three to four times as long so in CI. Alone
+    (one process, or a lesson's outputs regenerated), nothing is set and a lesson takes what it asks."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers < 2:
+        return {}
+    return {"OMP_NUM_THREADS": str(max(1, len(os.sched_getaffinity(0)) // workers))}
+
+
 # User settings JupyterLab reads at start (a learner's defaults except where noted).
 SETTINGS = {
     # Every cell stays in the page, so that every output can be counted and seen; JupyterLab's
@@ -97,7 +109,7 @@ class JupyterLab:
         profile = home / "ipython" / "profile_default"
         profile.mkdir(parents=True, exist_ok=True)
         (profile / "ipython_kernel_config.py").write_text("c.HistoryManager.enabled = False\n")
-        env = {**self.base_env, **kernel_env(),
+        env = {**self.base_env, **kernel_env(), **shared_machine_env(),
                "JUPYTER_CONFIG_DIR": str(home / "config"),
                "JUPYTER_RUNTIME_DIR": str(home / "runtime"),
                "IPYTHONDIR": str(home / "ipython")}

@@ -131,9 +131,12 @@ def harmless_reason(message: str) -> str | None:
 
 
 def check_notebook(browser: Browser, lab, path: Path, shots: Path, *, nbval_items=None,
-                   run_timeout_s: float = 1800, move_timeout_s: float = 90) -> Report:
+                   run_timeout_s: float = 1800, move_timeout_s: float = 90, idle_timeout_s: float = 240) -> Report:
     """Run `path` (a notebook in the server's root) in a fresh page and check what the learner sees;
-    with `nbval_items` (nbval's items for this notebook), make nbval's check on the same run."""
+    with `nbval_items` (nbval's items for this notebook), make nbval's check on the same run.
+    A moved control must change its widget's output within `move_timeout_s`; its callback may then
+    run on (one that builds engines can take a minute beside CI's other worker) until the kernel is
+    idle, within `idle_timeout_s`, before the next control moves."""
     report = Report(name=path.stem)
     report.stored = count_outputs(nbformat.read(path, as_version=4))
     context = browser.new_context(viewport={"width": 1400, "height": 1000})
@@ -164,7 +167,7 @@ def check_notebook(browser: Browser, lab, path: Path, shots: Path, *, nbval_item
             report.nbval_cells = len(nbval_items)
         _check_run(page, report, live)
         t2 = time.monotonic()
-        _check_widgets(page, report, shots, move_timeout_s)
+        _check_widgets(page, report, shots, move_timeout_s, idle_timeout_s)
         report.seconds["widgets"] = round(time.monotonic() - t2, 1)
         stray = kernel_messages.stray_errors(*kernel_messages.recorded(page), kernel_messages.page_comms(page))
         for text in dict.fromkeys(stray):
@@ -237,7 +240,7 @@ def _wait_drawn(page, ran: Counts, timeout_s: float = 60) -> None:
     page.wait_for_timeout(250)
 
 
-def _check_widgets(page, report: Report, shots: Path, move_timeout_s: float) -> None:
+def _check_widgets(page, report: Report, shots: Path, move_timeout_s: float, idle_timeout_s: float) -> None:
     views = widget_controls.mark_widgets(page)
     titles = report.ran.titles
     for i, view in enumerate(views):
@@ -254,10 +257,12 @@ def _check_widgets(page, report: Report, shots: Path, move_timeout_s: float) -> 
                 report.problems.append(f"widget {title!r} has no control to move "
                                        f"(add it to DISPLAY_ONLY with a reason if that is intended)")
             else:
-                lab_page.wait_kernel_idle(page, move_timeout_s)
+                moved_at = time.monotonic()
+                lab_page.wait_kernel_idle(page, idle_timeout_s)
                 report.moves.append(f"{title}: moved {move.kind} {move.label!r} {move.before!r} -> "
                                     f"{move.after!r}; output changed: {move.output_changed} "
-                                    f"({move.seconds:.1f} s)")
+                                    f"({move.seconds:.1f} s; kernel idle after "
+                                    f"{move.seconds + time.monotonic() - moved_at:.1f} s)")
                 if not move.output_changed:
                     report.problems.append(
                         f"widget {title!r}: moving {move.kind} {move.label!r} from {move.before!r} to "
