@@ -50,6 +50,7 @@ class LoadRequest:
 @dataclass
 class RequestResult:
     send_time: float                 # seconds since the run started
+    index: int = -1                  # the request's place in LoadTest.requests
     ok: bool = False
     error: str | None = None
     chunk_times: list[float] = field(default_factory=list)  # seconds since the run started
@@ -128,7 +129,7 @@ class LoadTest:
     def __init__(self, url: str, requests: list[LoadRequest], rate: float, model: str | None = None,
                  seed: int = 0, timeout: float = 120.0, ignore_eos: bool = True,
                  sample_interval: float = 0.25, progress: bool = False, label: str | None = None,
-                 max_retries: int = 5, metrics_url: str | None = None):
+                 max_retries: int = 5, metrics_url: str | None = None, arrivals: list[float] | None = None):
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"url must start with http:// or https://, got {url!r}")
         if not requests:
@@ -144,7 +145,10 @@ class LoadTest:
         self.url, self.requests, self.rate, self.model = url.rstrip("/"), requests, rate, model
         self.timeout, self.ignore_eos, self.sample_interval = timeout, ignore_eos, sample_interval
         self.progress, self.label = progress, label or f"{rate:g} req/s"
-        self.arrivals = poisson_arrivals(len(requests), rate, seed)
+        if arrivals is not None and (len(arrivals) != len(requests) or not all(t >= 0 for t in arrivals)):
+            raise ValueError(f"arrivals must give one send time >= 0 s per request ({len(requests)}), got {arrivals!r}")
+        # `arrivals`: each request's send time (s) as given; otherwise Poisson at `rate`
+        self.arrivals = list(arrivals) if arrivals is not None else poisson_arrivals(len(requests), rate, seed)
         self.results: list[RequestResult] = []   # in order of completion
         self.samples: list[dict[str, float]] = []  # /metrics over time: {"time": s, name: value}
         self.duration: float | None = None
@@ -187,14 +191,15 @@ class LoadTest:
             start = time.perf_counter()
             sampler = asyncio.ensure_future(self._sample(client, start))
 
-            async def one(req: LoadRequest, send_at: float) -> None:
+            async def one(index: int, req: LoadRequest, send_at: float) -> None:
                 await asyncio.sleep(max(0.0, send_at - (time.perf_counter() - start)))
                 result = await self._stream(client, req, start)
+                result.index = index
                 self.results.append(result)
                 if bar is not None:
                     bar.update(1)
 
-            await asyncio.gather(*(one(r, t) for r, t in zip(self.requests, self.arrivals)))
+            await asyncio.gather(*(one(i, r, t) for i, (r, t) in enumerate(zip(self.requests, self.arrivals))))
             self.duration = time.perf_counter() - start
             sampler.cancel()
             if bar is not None:

@@ -87,6 +87,8 @@ class KVOffload:
     # -- what the scheduler decides ------------------------------------------------------------
     def evicted(self, block: int, h: int) -> None:
         """The pool is about to reuse `block`, which holds the block hashed `h`."""
+        if not self.tiers:  # only received prompts' files below (a decode engine): nowhere to store
+            return
         tier = next((t for t in self.tiers if h in t.entries), None)
         if tier is None:
             self.stores[h] = block

@@ -63,6 +63,21 @@ def test_a_damaged_transfer_is_recomputed(engines):
     assert not os.path.exists(params["remote_path"])
 
 
+def test_a_decode_engine_whose_pool_evicts_still_loads_transfers(engines, tmp_path):
+    # a consumer without an offload tier of its own: the blocks its pool evicts have nowhere to go (a
+    # run of the lesson failed every request once this pool first reused a cached block)
+    one, pre, _ = engines
+    dec = LLM("tiny", num_kv_blocks=24, kv_transfer_config=connector("kv_consumer", tmp_path))
+    for k in range(4):  # four other prompts of about eight blocks each, through a pool of 24
+        dec.generate([f"Talk {k}: " + " ".join(f"u{k}{j}" for j in range(60))], greedy(2), use_tqdm=False)
+    prompt = "A late talk: " + " ".join(f"z{j}" for j in range(60))
+    want = one.generate([prompt], greedy(6), use_tqdm=False)[0].outputs[0].token_ids
+    params = prefill(pre, prompt)
+    got = dec.generate([prompt], greedy(6, params), use_tqdm=False)[0]
+    assert got.outputs[0].token_ids == want and got.num_cached_tokens == params["remote_num_tokens"]
+    assert dec.get_metrics()["num_failed"] == 0
+
+
 def test_bad_transfers_are_named(engines, tmp_path):
     _, pre, dec = engines
     with pytest.raises(ValueError, match="cannot open"):

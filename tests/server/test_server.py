@@ -18,7 +18,7 @@ import pytest
 
 from llmopt import SamplingParams
 from llmopt.bench import heldout_text
-from llmopt.bench.load import LoadTest, parse_metrics, shared_prefix_requests, summarize
+from llmopt.bench.load import LoadRequest, LoadTest, parse_metrics, shared_prefix_requests, summarize
 from llmopt.server.process import ServerProcess
 
 NUM_KV_BLOCKS = 512
@@ -307,12 +307,25 @@ def test_load_test_against_the_server(server, tiny_llm):
     s = run.wait()
     assert s["completed"] == 12 and s["failed"] == 0 and s["output_tokens"] == 72
     assert sorted(r.text for r in run.results) == sorted(r.text for r in refs)
+    assert sorted(r.index for r in run.results) == list(range(12))
     for r in run.results:
+        assert r.text == refs[r.index].text  # each result knows its request
         assert 0 < r.ttft <= r.e2e and r.output_tokens == 6 and r.tpot > 0
     assert s["ttft_p50_ms"] <= s["ttft_p90_ms"] <= s["ttft_p99_ms"]
     assert s["tpot_p50_ms"] <= s["tpot_p99_ms"] and s["output_throughput"] > 0
     assert run.samples and all("llmopt:kv_cache_usage_perc" in x for x in run.samples)
     assert summarize(run)["completed"] == 12
+
+
+def test_load_test_sends_at_the_times_given(server):
+    requests = [LoadRequest([5, 6, 7, 8], 2) for _ in range(3)]
+    run = LoadTest(server.url, requests, rate=1.0, arrivals=[0.0, 0.4, 0.2])
+    assert run.wait()["completed"] == 3
+    for r in run.results:
+        assert r.send_time >= [0.0, 0.4, 0.2][r.index]
+    for bad in ([0.0, 0.1], [0.0, -1.0, 0.2]):
+        with pytest.raises(ValueError, match="one send time >= 0 s per request"):
+            LoadTest(server.url, requests, rate=1.0, arrivals=bad)
 
 
 def test_bench_url_sweeps_a_running_server(server, tmp_path):
