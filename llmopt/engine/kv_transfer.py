@@ -144,6 +144,11 @@ class SharedMemoryConnector:
         path = params["remote_path"]
         if not isinstance(path, str):
             raise ValueError(f"kv_transfer_params['remote_path'] must be a string, got {path!r}")
+        # only files of the folder both engines were given: the file is removed once read, and a
+        # request must not be able to have the server open (or delete) anything else
+        if os.path.dirname(os.path.realpath(path)) != os.path.realpath(self.folder):
+            raise ValueError(f"kv_transfer_params['remote_path'] must name a file in this engine's transfer folder "
+                             f"{self.folder!r} (kv_connector_extra_config's path), got {path!r}")
         store = TransferFile(path, self.bm.offload.rows.nbytes, self.block_size)
         tokens = store.header["token_ids"]
         if list(prompt[:len(tokens)]) != tokens:
@@ -178,7 +183,6 @@ class SharedMemoryConnector:
     def close(self) -> None:
         for rid in list(self.open):
             self.release(rid)
-
 
 
 def make_connector(config, block_manager) -> SharedMemoryConnector | None:

@@ -6,6 +6,7 @@ configurations and parameters are answered by name."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -63,11 +64,12 @@ def test_a_damaged_transfer_is_recomputed(engines):
     assert not os.path.exists(params["remote_path"])
 
 
-def test_a_decode_engine_whose_pool_evicts_still_loads_transfers(engines, tmp_path):
+def test_a_decode_engine_whose_pool_evicts_still_loads_transfers(engines):
     # a consumer without an offload tier of its own: the blocks its pool evicts have nowhere to go (a
     # run of the lesson failed every request once this pool first reused a cached block)
     one, pre, _ = engines
-    dec = LLM("tiny", num_kv_blocks=24, kv_transfer_config=connector("kv_consumer", tmp_path))
+    folder = pre.llm_engine.kv_connector.folder  # where the producer writes
+    dec = LLM("tiny", num_kv_blocks=24, kv_transfer_config=connector("kv_consumer", folder))
     for k in range(4):  # four other prompts of about eight blocks each, through a pool of 24
         dec.generate([f"Talk {k}: " + " ".join(f"u{k}{j}" for j in range(60))], greedy(2), use_tqdm=False)
     prompt = "A late talk: " + " ".join(f"z{j}" for j in range(60))
@@ -80,11 +82,19 @@ def test_a_decode_engine_whose_pool_evicts_still_loads_transfers(engines, tmp_pa
 
 def test_bad_transfers_are_named(engines, tmp_path):
     _, pre, dec = engines
+    folder = Path(dec.llm_engine.kv_connector.folder)
     with pytest.raises(ValueError, match="cannot open"):
-        dec.generate([PROMPT], greedy(2, {"remote_path": str(tmp_path / "none.kv")}), use_tqdm=False)
-    (tmp_path / "junk.kv").write_bytes(b"not a transfer")
+        dec.generate([PROMPT], greedy(2, {"remote_path": str(folder / "none.kv")}), use_tqdm=False)
+    (folder / "junk.kv").write_bytes(b"not a transfer")
     with pytest.raises(ValueError, match="not a KV transfer file"):
-        dec.generate([PROMPT], greedy(2, {"remote_path": str(tmp_path / "junk.kv")}), use_tqdm=False)
+        dec.generate([PROMPT], greedy(2, {"remote_path": str(folder / "junk.kv")}), use_tqdm=False)
+    (folder / "junk.kv").unlink()
+    elsewhere = prefill(pre)["remote_path"]
+    moved = tmp_path / "moved.kv"
+    os.replace(elsewhere, moved)  # a real transfer file, outside the folder the engines share
+    with pytest.raises(ValueError, match="must name a file in this engine's transfer folder"):
+        dec.generate([PROMPT], greedy(2, {"remote_path": str(moved)}), use_tqdm=False)
+    assert moved.exists()  # refused before anything was opened or removed
     params = prefill(pre)
     with pytest.raises(ValueError, match="another prompt"):
         dec.generate(["Another prompt " * 20], greedy(2, params), use_tqdm=False)

@@ -21,15 +21,19 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_poo
                               const at::Tensor& k_scales, const at::Tensor& v_scales);
 }  // namespace llmopt
 
+// Every kernel lets go of the GIL while it runs (as torch's own ops do): the server's engine thread
+// runs steps while its event loop streams tokens, and a notebook's prefill runs beside its client.
+using NoGil = py::call_guard<py::gil_scoped_release>;
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("gguf_matmul", &llmopt::gguf_matmul, "y = x @ W^T, W as GGUF Q8_0 / Q4_0 / Q4_1 blocks (rows, or panels of 16 rows) or Q4_K / Q6_K super-blocks");
-  m.def("kquant_matmul", &llmopt::kquant_matmul, "y = x @ W^T, W as GGUF k-quant super-blocks: row ranges (types, rows) of Q4_K / Q6_K, back to back in qs");
-  m.def("quantize_activations_k", &llmopt::quantize_activations_k, "x per 256 values to int8 (Q8_K): q, d, bsums");
+  m.def("gguf_matmul", &llmopt::gguf_matmul, NoGil(), "y = x @ W^T, W as GGUF Q8_0 / Q4_0 / Q4_1 blocks (rows, or panels of 16 rows) or Q4_K / Q6_K super-blocks");
+  m.def("kquant_matmul", &llmopt::kquant_matmul, NoGil(), "y = x @ W^T, W as GGUF k-quant super-blocks: row ranges (types, rows) of Q4_K / Q6_K, back to back in qs");
+  m.def("quantize_activations_k", &llmopt::quantize_activations_k, NoGil(), "x per 256 values to int8 (Q8_K): q, d, bsums");
   m.def("gguf_panels_supported", &llmopt::gguf_panels_supported, "whether this build runs GGUF panels (AVX512_VNNI)");
-  m.def("dense_matmul", &llmopt::dense_matmul, "y = x @ W^T, W dense bf16 or fp32 [N, K] (a few rows of x) or bf16 panels [N / 32, K / 2, 2, 16, 2] (any), summed in float32, returned in x's dtype");
+  m.def("dense_matmul", &llmopt::dense_matmul, NoGil(), "y = x @ W^T, W dense bf16 or fp32 [N, K] (a few rows of x) or bf16 panels [N / 32, K / 2, 2, 16, 2] (any), summed in float32, returned in x's dtype");
   m.def("dense_panels_supported", &llmopt::dense_panels_supported, "whether this build runs bf16 weight panels (AVX-512)");
-  m.def("quantize_activations", &llmopt::quantize_activations, "x per 32 values to int8 (Q8_0 / Q8_1)");
-  m.def("paged_attention", &llmopt::paged_attention, "paged attention over the block pool (invariant: each row's "
+  m.def("quantize_activations", &llmopt::quantize_activations, NoGil(), "x per 32 values to int8 (Q8_0 / Q8_1)");
+  m.def("paged_attention", &llmopt::paged_attention, NoGil(), "paged attention over the block pool (invariant: each row's "
         "arithmetic independent of the rest of the batch)");
   // One decoder layer's weights and pool, named (decode_step.h); an empty bias tensor means none.
   py::class_<llmopt::Linear>(m, "Linear")
@@ -67,8 +71,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     else
       llmopt::intkv::write<at::BFloat16>(k.data_ptr<at::BFloat16>(), v.data_ptr<at::BFloat16>(), H * D,
                                          slots.data_ptr<int64_t>(), T, k_pool, v_pool, k_scales, v_scales, H, D);
-  }, "new keys and values into an int8 / int4 pool (llmopt/kernels/int_kv_ref.py's write_int_kv)");
-  m.def("decode_layers", &llmopt::decode_layers, "every decoder layer of a decode (or verification) step, in one call");
+  }, NoGil(), "new keys and values into an int8 / int4 pool (llmopt/kernels/int_kv_ref.py's write_int_kv)");
+  m.def("decode_layers", &llmopt::decode_layers, NoGil(), "every decoder layer of a decode (or verification) step, in one call");
   m.def("simd", []() {
 #if defined(__AVX512BF16__)
     return std::string("avx512_bf16");
