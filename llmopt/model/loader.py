@@ -160,10 +160,9 @@ def load_model(folder: str | Path, dtype: torch.dtype = torch.float32, device: s
         model = model.to(dtype)
         use_quantized_linears(model, scheme, dtype)
     check_weight_count(model, stored, str(folder))
-    if scheme is not None and scheme.serialized:
-        model = model.to_empty(device=device)
-    else:
-        model = model.to_empty(device=device).to(dtype)
+    if scheme is None or not scheme.serialized:
+        model = model.to(dtype)  # still on meta: the weights are allocated once, in their own dtype
+    model = model.to_empty(device=device)
     tie_and_rotate(model, cfg, device)
     load_weights(model, weights, source=str(folder))
     if is_gguf(folder):
