@@ -2,10 +2,10 @@
 measured them (llmopt.viz.claims), naming the machine.
 
 The check here finds the figures a markdown cell states with a unit of time, speed or bandwidth,
-or as a ratio ("1.6x"): outside code spans, formulas and blockquotes (a quoted claim of the article
-the course follows is marked as a quote). At most 10 are left, and the count may only fall: those are
-configuration values (a timeout, a retry's backoff), arithmetic on stated inputs (Little's law, a
-formula's prediction) and a head count's ratio; each one is listed when the check fails.
+or as a ratio ("1.6x"): outside code (spans and fenced blocks), formulas and blockquotes (a quoted
+claim of the article the course follows is marked as a quote). At most 10 are left, and the count may
+only fall: those are configuration values (a timeout, a retry's backoff), arithmetic on stated inputs
+(Little's law, a formula's prediction) and a head count's ratio; each one is listed when the check fails.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import re
 from pathlib import Path
 
 LESSONS = Path(__file__).resolve().parents[1] / "lessons"
-CODE = re.compile(r"`[^`\n]*`|\$[^$\n]*\$")
+CODE = re.compile(r"```.*?```|`[^`\n]*`|\$[^$\n]*\$", re.S)  # fenced blocks (a solution's code) too
 FIGURE = re.compile(r"(?<![\w.])\d[\d,]*(?:\.\d+)?(?:\s*(?:-|–|to)\s*\d[\d,]*(?:\.\d+)?)?"
                     r"(?:\s*(?:ms|s|µs|us|tok/s|tokens/s|GB/s)|[x×])(?![\w/])")
 MOST = 10  # figures in the lessons' prose today; lower it as the lessons move them into their cells
@@ -40,6 +40,7 @@ def test_the_check_finds_measured_figures_and_passes_formulas_and_quotes():
     assert len(stated_figures(cell("from 299 to 78 ms, 12-15 tok/s"))) == 2
     assert stated_figures(cell("`2 x 3` and $4 \\times 5$ and TP 2 x PP 2, 30 layers x 3 heads")) == []
     assert stated_figures(cell("> the article: 2-3x faster\nplain")) == []
+    assert stated_figures(cell("```python\nq = torch.where(s > 0, s, 1.0)  # 3x\n```\nprose")) == []
     assert stated_figures({"cells": [{"cell_type": "code", "source": ["took 5 ms"]}]}) == []
 
 

@@ -92,6 +92,12 @@ class CircuitBreaker:
                 if self.state != "open":
                     self._set("open")
 
+    def record_refused(self) -> None:
+        """A 503: the replica is healthy but busy. The count stays; a refused probe proves nothing,
+        so the next request probes again."""
+        with self._lock:
+            self.probing = False
+
     def _set(self, state: str) -> None:
         self.state = state
         self.transitions.append((self.clock(), state))
@@ -137,8 +143,7 @@ class ReplicaPool:
         elif ok is False:
             breaker.record_failure()
         else:
-            with breaker._lock:
-                breaker.probing = False  # a refused probe proves nothing: the next request probes again
+            breaker.record_refused()
 
 
 @dataclass

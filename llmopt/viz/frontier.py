@@ -36,14 +36,17 @@ COLORS = {"MHA": "#d62728", "GQA": "#1f77b4", "MQA": "#2ca02c", "GQA + sliding w
           "MLA": "#9467bd"}
 
 
-def write_zoo(folder: str | Path, tokenizer_from: Path) -> dict[str, Path]:
-    """The five random checkpoints (and the bundled tokenizer beside each) -> name: folder."""
+def write_zoo(folder: str | Path, tokenizer_from: Path, names=None) -> dict[str, Path]:
+    """The five random checkpoints (and the bundled tokenizer beside each) -> name: folder; `names`:
+    only those (each written as in the whole zoo, from the same seed)."""
     import shutil
 
     from transformers import AutoConfig, AutoModelForCausalLM
 
     out = {}
     for i, (name, (model_type, extra)) in enumerate(ZOO.items()):
+        if names is not None and name not in names:
+            continue
         path = Path(folder) / name.split()[0].lower() / str(i)
         if not (path / "config.json").is_file():
             cfg = AutoConfig.for_model(model_type, **{**SIZE, **extra})

@@ -4,12 +4,14 @@ A claim is scored by the cell that measured it, on the learner's machine, or fro
 table named as such (the table's own header names its machine):
 
     card = Scorecard()
-    card.score("KV cache: O(n^2) -> O(n)", holds=grows_uncached and flat_cached,
+    card.score("KV cache: O(n^2) -> O(n)", [(growth_uncached, ">=", 2), (growth_cached, "<=", 1.5)],
                figure="per-token cost x3.9 from 128 to 512 tokens without it, x1.1 with it",
                reason="without a cache a token costs a forward over its whole context")
 
-`holds=None` says that this machine cannot decide the claim (one made of a GPU, where no GPU
-run that passed its checks is on record): the verdict is "needs a GPU".
+A claim is the tests its figures must pass, each `(measured, op, bound)`, the bound set before the
+measurement; `claim_verdict` turns them into the verdict. A measurement of None is one this
+machine cannot make (a GPU's, where no GPU run that passed its checks is on record): unless a
+test already fails, the verdict is "needs a GPU".
 
 A GPU figure comes only from a report whose model is the model. `gpu_report` reads the committed
 GPU check (benchmarks/gpu_check.py) and accepts it only where it ran on a GPU (not its CPU dry
@@ -23,15 +25,30 @@ too. Both say in one sentence why a report counts or why not, for a lesson to pr
 from __future__ import annotations
 
 import json
+import operator
 from dataclasses import dataclass
 from pathlib import Path
 
 from llmopt.bench.common import machine
 
 HOLDS, FAILS, NEEDS_GPU = "holds", "does not hold", "needs a GPU"
+# A test's op says which side of the bound bears the claim out (higher or lower is better), and
+# whether the bound itself does.
+OPS = {">=": operator.ge, ">": operator.gt, "<=": operator.le, "<": operator.lt}
 # How a section that did not pass ended, in words (benchmarks/gpu_check.py's statuses).
 _ENDED = {"failed": "failed", "error": "stopped on an error", "timeout": "ran out of time",
           "skipped": "was skipped", "not run": "did not run"}
+
+
+def claim_verdict(tests: list[tuple[float | None, str, float]], refutable: bool = True) -> str:
+    """A claim's verdict from its tests `(measured, op, bound)`: it holds when every measured value
+    passes `measured op bound`; one that fails refutes it, even beside a measurement that is missing
+    (None); otherwise a missing one leaves it to a GPU. `refutable=False`: a GPU's claim that no GPU
+    figure decides yet, so a shortfall measured here is not a refutation either."""
+    passed = [None if measured is None else OPS[op](measured, bound) for measured, op, bound in tests]
+    if False in passed:
+        return FAILS if refutable else NEEDS_GPU
+    return NEEDS_GPU if None in passed else HOLDS
 
 
 @dataclass
@@ -41,6 +58,8 @@ class Score:
     figure: str
     reason: str
     source: str
+    tests: list | None = None     # the (measured, op, bound) tests that decided it, where the claim gave them
+    refutable: bool = True
 
 
 class Scorecard:
@@ -49,16 +68,24 @@ class Scorecard:
     def __init__(self):
         self.rows: list[Score] = []
 
-    def score(self, claim: str, holds: bool | None, figure: str, reason: str, source: str | None = None) -> None:
-        """Record (and print) one claim's verdict: holds (True), does not hold (False) or needs a GPU
-        (None); `source` says where `figure` comes from (default: measured here, on this machine)."""
+    def score(self, claim: str, holds: list | bool | None, figure: str, reason: str, source: str | None = None,
+              refutable: bool = True) -> None:
+        """Record (and print) one claim's verdict. `holds`: the claim's tests [(measured, op, bound), ...]
+        (the verdict is `claim_verdict(holds, refutable)`), or a verdict decided by the caller: holds
+        (True), does not hold (False) or needs a GPU (None). `source` says where `figure` comes from
+        (default: measured here, on this machine)."""
+        tests = None
+        if isinstance(holds, list):
+            tests = [_test(t) for t in holds]
+            holds = {HOLDS: True, FAILS: False, NEEDS_GPU: None}[claim_verdict(tests, refutable)]
         if not (holds is True or holds is False or holds is None):
-            raise TypeError(f"holds must be True, False or None (needs a GPU), got {holds!r}")
+            raise TypeError(f"holds must be a list of (measured, op, bound) tests, or True, False or None "
+                            f"(needs a GPU), got {holds!r}")
         for name, text in (("claim", claim), ("figure", figure), ("reason", reason)):
             if not isinstance(text, str) or not text.strip():
                 raise ValueError(f"{name} must be a non-empty sentence, got {text!r}")
         verdict = NEEDS_GPU if holds is None else HOLDS if holds else FAILS
-        row = Score(claim, verdict, figure, reason, source or f"measured here ({machine()})")
+        row = Score(claim, verdict, figure, reason, source or f"measured here ({machine()})", tests, refutable)
         self.rows = [r for r in self.rows if r.claim != claim] + [row]   # a rerun cell replaces its row
         print(f"{claim}: {verdict.upper()}. {figure} ({reason}). Source: {row.source}.")
 
@@ -68,6 +95,14 @@ class Scorecard:
     def table(self) -> list[dict]:
         return [{"claim": r.claim, "verdict": r.verdict, "figure": r.figure, "why": r.reason, "source": r.source}
                 for r in self.rows]
+
+
+def _test(test) -> tuple[float | None, str, float]:
+    """A (measured, op, bound) test, checked (numbers as plain floats, so that a row can be replayed)."""
+    if not (isinstance(test, tuple) and len(test) == 3 and test[1] in OPS):
+        raise TypeError(f"a test is (measured, op, bound) with op one of {', '.join(OPS)}, got {test!r}")
+    measured, op, bound = test
+    return (None if measured is None else float(measured)), op, float(bound)
 
 
 def _section_failed(report: dict, name: str, what: str) -> str | None:

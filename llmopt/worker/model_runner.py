@@ -103,10 +103,11 @@ class ModelRunner:
     StructuredOutputManager.bitmask); nothing is read back from the engine."""
 
     max_in_flight = 1  # steps that may be submitted before the first is collected
-    # The two pieces lessons 02 and 05 let a learner replace (llmopt.exercises): each token's
-    # cache slot, and the speculative verifier.
+    # The pieces lessons 02, 05 and 13 let a learner replace (llmopt.exercises): each token's
+    # cache slot, the speculative verifier, and the grammar's mask on the logits.
     slots_of = staticmethod(slots_of)
     rejection_sampler = staticmethod(rejection_sample)
+    apply_token_bitmask = staticmethod(apply_token_bitmask)
 
     def __init__(self, model, kv_cache: PagedKVCache, block_size: int, device,
                  eos_token_ids: set[int] = frozenset()):
@@ -223,7 +224,7 @@ class ModelRunner:
             allowed = hold_back_stop_tokens(logits, [(f, 1 + len(s.spec_token_ids), s.params, len(s.output_token_ids))
                                                      for f, s in zip(firsts, rows)], self.eos_token_ids)
         if grammar_bitmask is not None:  # structured outputs: only what each grammar allows next
-            allowed = apply_token_bitmask(allowed, *grammar_bitmask)
+            allowed = self.apply_token_bitmask(allowed, *grammar_bitmask)
         tokens = {}
         if plain:
             picked = self.backend.sampler.sample(allowed[[firsts[i] for i in plain]], [rows[i].params for i in plain],

@@ -135,3 +135,18 @@ def test_the_lessons_speed_table_names_the_device_or_says_why_not(tmp_path):
     assert "W4A16 (RTN g128)" in text and "1.06x" in text and "NVIDIA H200" in text
     assert "W4A16" not in gpu_speed_table("FP8", _report(tmp_path, speed="ok"))  # bf16 beside FP8 rows only
     assert gpu_speed_table("W4A16", tmp_path / "absent.json").startswith("no GPU speed table counts yet")
+
+
+def test_a_claim_scored_by_its_tests(capsys):
+    from llmopt.viz.scorecard import claim_verdict
+
+    assert claim_verdict([(0.9, ">=", 0.9), (0.01, "<=", 0.01)]) == HOLDS
+    assert claim_verdict([(40e9, ">", 40e9)]) == claim_verdict([(0.01, "<", 0.01)]) == FAILS
+    assert claim_verdict([(None, "<", 0.2), (6.0, ">=", 5)]) == NEEDS_GPU
+    assert claim_verdict([(None, "<", 0.2), (3.0, ">=", 5)]) == FAILS            # refuted whatever the GPU says
+    assert claim_verdict([(1.4, ">=", 2)], refutable=False) == NEEDS_GPU         # a GPU's claim, short on a CPU
+    card = Scorecard()
+    card.score("a", [(2.5, ">=", 2), (1.1, "<=", 1.5)], "x2.5, x1.1", "why", refutable=False)
+    assert card.rows[-1].verdict == HOLDS and card.rows[-1].tests == [(2.5, ">=", 2.0), (1.1, "<=", 1.5)]
+    with pytest.raises(TypeError, match="op one of"):
+        card.score("b", [(1.0, "=>", 2)], "x1", "why")
