@@ -47,10 +47,13 @@ def plan_for(dry_run: bool) -> dict:
     from llmopt.eval import PROTOCOL
 
     if dry_run:
+        # max_model_len 128: an FP8 pool's calibration runs sequences of up to 512 tokens, no more
+        # than the engine holds (set_kv_scales); the dry run's own sequences are shorter than 128
         return {"prompts": 4, "prompt_len": [8, 24], "new_tokens": 8, "ppl": {"max_tokens": 256, "seq_len": 64},
-                "quantize": {"num_samples": 2, "seq_len": 64}, "twins": list(CONFIGS)}
+                "quantize": {"num_samples": 2, "seq_len": 64}, "twins": list(CONFIGS),
+                "engine": {"max_model_len": 128}}
     return {"prompts": 16, "prompt_len": [32, 96], "new_tokens": 32, "ppl": dict(PROTOCOL),
-            "quantize": {"num_samples": 4, "seq_len": 512}, "twins": list(CONFIGS)}
+            "quantize": {"num_samples": 4, "seq_len": 512}, "twins": list(CONFIGS), "engine": {}}
 
 
 def model_file(model: str) -> Path:
@@ -112,16 +115,16 @@ def twin(model: str, name: str, dtype, plan: dict, work: Path, device: str = "cp
         t0 = time.perf_counter()
         quantize(str(model), out=str(out), device=device, progress=False, **spec, **plan["quantize"])
         source, seconds = str(out), time.perf_counter() - t0
-    llm = engine(source, dtype, device, **kw)
+    llm = engine(source, dtype, device, **plan.get("engine", {}), **kw)
     configure(llm, name)
     value = perplexity(llm, plan)
     del llm
     return value, seconds
 
 
-def compute(model: str, activations: torch.dtype, dry_run: bool = False, log=print) -> dict:
+def compute(model: str, activations: torch.dtype, dry_run: bool = False, log=print, with_twins: bool = True) -> dict:
     """The references for `model`: float32 greedy tokens with log-probabilities and perplexity on
-    the CPU, and each configuration of the plan's twins at `activations`."""
+    the CPU, and (unless `with_twins` is False) each configuration of the plan's twins at `activations`."""
     from llmopt.bench import heldout_tokens, make_requests
     from llmopt.bench.common import machine
 
@@ -138,7 +141,7 @@ def compute(model: str, activations: torch.dtype, dry_run: bool = False, log=pri
     del llm
     twins, seconds = {}, {}
     with tempfile.TemporaryDirectory(prefix="gpu_refs_") as work:
-        for name in plan["twins"]:
+        for name in plan["twins"] if with_twins else ():
             t1 = time.perf_counter()
             twins[name], seconds[name] = twin(model, name, activations, plan, Path(work))
             log(f"{name} ({activations}): perplexity {twins[name]:.4f} ({time.perf_counter() - t1:.0f} s)")

@@ -53,7 +53,10 @@ def dry_run_model(work: Path, plant_fault: bool) -> tuple[str, dict]:
 
     tiny = model_path("tiny")
     t0 = time.process_time()
-    refs = compute(str(tiny), torch.bfloat16, dry_run=True, log=lambda line: print(f"  references: {line}"))
+    # A planted fault fails smollm2-sanity, and every section that would read the twins' references
+    # stops at `require_sane` before it does: they are not computed for it.
+    refs = compute(str(tiny), torch.bfloat16, dry_run=True, log=lambda line: print(f"  references: {line}"),
+                   with_twins=not plant_fault)
     print(f"references for the bundled model computed in {time.process_time() - t0:.1f} s of CPU", flush=True)
     if not plant_fault:
         return str(tiny), refs
@@ -182,7 +185,7 @@ def section_smollm2_quality(run) -> None:
             seconds, _ = run.wall(lambda: quantize(str(run.model), out=str(source), device=run.device,
                                                    progress=False, **spec, **plan["quantize"]))
             run.note(f"{name}: quantized on the {run.device.upper()} in {seconds:.1f} s")
-        llm = make_llm(run, source, dtype=dtype, **kw)
+        llm = make_llm(run, source, dtype=dtype, **plan.get("engine", {}), **kw)
         configure(llm, name)
         if spec is not None and run.device == "cuda":  # the W4A16 Triton kernel runs only on CUDA
             from llmopt.layers.quant.gptq import GPTQLinear

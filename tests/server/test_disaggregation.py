@@ -69,25 +69,26 @@ def test_disaggregated_answers_equal_one_engines(servers, folder):
     assert not list(folder.glob("*.kv"))  # every transfer file read and removed
 
 
-def test_a_decode_server_killed_mid_transfer(folder):
-    pre, dec = ServerProcess(engine_args("kv_producer", folder)), ServerProcess(engine_args("kv_consumer", folder))
-    with pre, dec:
-        with RouterProcess(pre.url, dec.url) as router:
-            dec.proc.send_signal(signal.SIGSTOP)  # it takes the connection but never answers
-            answer = {}
-            client = threading.Thread(target=lambda: answer.update(r=httpx.post(
-                f"{router.url}/v1/completions", timeout=120,
-                json={"model": "tiny", "prompt": PROMPTS[1], "max_tokens": 10, "temperature": 0})))
-            client.start()
-            deadline = time.monotonic() + 60
-            while not list(folder.glob("*.kv")):  # the prefill server has answered: the KV is in flight
-                assert time.monotonic() < deadline, "no transfer file appeared"
-                time.sleep(0.05)
-            dec.proc.send_signal(signal.SIGKILL)
-            client.join(60)
-            r = answer["r"]
-            assert r.status_code == 502 and "decode server" in r.json()["error"]["message"], r.text
-            assert not list(folder.glob("*.kv"))
-            m = parse_metrics(httpx.get(f"{pre.url}/metrics").text)
-            assert m["llmopt:kv_cache_usage_perc"] == 0 and m["llmopt:num_requests_running"] == 0
-            assert httpx.get(f"{router.url}/health").status_code == 503  # the router says its decode side is gone
+def test_a_decode_server_killed_mid_transfer(servers, folder):
+    """The last test of this file: it kills the module's decode server (starting three more processes
+    for it alone cost about as much as the rest of the file)."""
+    pre, dec, router = servers
+    dec.proc.send_signal(signal.SIGSTOP)  # it takes the connection but never answers
+    answer = {}
+    prompt = "A prompt the decode server has not seen: " + " ".join(f"v{j}" for j in range(40))
+    client = threading.Thread(target=lambda: answer.update(r=httpx.post(
+        f"{router.url}/v1/completions", timeout=120,
+        json={"model": "tiny", "prompt": prompt, "max_tokens": 10, "temperature": 0})))
+    client.start()
+    deadline = time.monotonic() + 60
+    while not list(folder.glob("*.kv")):  # the prefill server has answered: the KV is in flight
+        assert time.monotonic() < deadline, "no transfer file appeared"
+        time.sleep(0.05)
+    dec.proc.send_signal(signal.SIGKILL)
+    client.join(60)
+    r = answer["r"]
+    assert r.status_code == 502 and "decode server" in r.json()["error"]["message"], r.text
+    assert not list(folder.glob("*.kv"))
+    m = parse_metrics(httpx.get(f"{pre.url}/metrics").text)
+    assert m["llmopt:kv_cache_usage_perc"] == 0 and m["llmopt:num_requests_running"] == 0
+    assert httpx.get(f"{router.url}/health").status_code == 503  # the router says its decode side is gone
