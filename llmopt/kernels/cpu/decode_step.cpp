@@ -11,8 +11,15 @@
 // float32 the two compute the same numbers up to the order of a few sums. (No fused
 // multiply-adds here: torch rounds a product before adding it, and so does this file.)
 #pragma GCC optimize("fp-contract=off")
-#include <torch/extension.h>
+// ATen's own headers, op by op, as the other kernels include them: <torch/extension.h> (the whole C++
+// frontend) made this file's build four times as long.
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/linear.h>
+#include <ATen/ops/silu.h>
+#include <ATen/ops/sum.h>
 
 #include <cmath>
 #include <cstring>
@@ -38,12 +45,12 @@ namespace {
 at::Tensor apply(const Linear& l, const at::Tensor& x) {
   if (l.kind == 0 && (l.w.dim() == 5 || x.size(0) <= l.dense_rows)) {
     at::Tensor y = dense_matmul(x, l.w);
-    return l.bias.defined() ? y + l.bias : y;
+    return l.bias.defined() ? y.add(l.bias) : y;
   }
   if (l.kind == 0 || x.size(0) > l.max_rows) return at::linear(x, l.w, l.bias);
   at::Tensor y = l.part_kinds.empty() ? gguf_matmul(x, l.qs, l.d, l.mn, l.kind, l.int8)
                                       : kquant_matmul(x, l.qs, l.part_kinds, l.part_rows, l.int8);
-  return l.bias.defined() ? y + l.bias : y;
+  return l.bias.defined() ? y.add(l.bias) : y;
 }
 
 // RMSNorm as llmopt/layers/norm.py computes it, bit for bit: in float32, x * rsqrt(mean(x^2) + eps),

@@ -2,7 +2,7 @@
 // once in Python (llmopt/worker/compiled_decode.py, CompiledLayers) and handed over with each step.
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
 
 #include <vector>
 
