@@ -12,14 +12,18 @@ import pytest  # noqa: E402
 def pytest_configure(config):
     """On pytest-xdist's workers (`-n 2`), each worker's torch gets its share of the cores: two
     workers of two threads each on a 2-core machine put four busy threads on two cores, and every
-    parallel region then waits for its descheduled thread. What a worker starts (servers, parallel
-    workers) keeps its own setting; notebook kernels get the worker's share through OMP_NUM_THREADS
-    (tests/browser/lab_server.py), which the lessons' two-thread sections keep to."""
+    parallel region then waits for its descheduled thread. The processes a test starts (the GPU
+    check's dry run, a CLI, a server without --threads) get the same share through OMP_NUM_THREADS
+    and MKL_NUM_THREADS: with the lessons' environment (the repository's conftest.py) they ran two
+    MKL threads each, and the dry run took 5 to 7 times its CPU alone. Notebook kernels get the share
+    too (tests/browser/lab_server.py), which the lessons' two-thread sections keep to."""
     workers = getattr(config, "workerinput", {}).get("workercount")
     if workers:
         import torch
 
-        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // workers))
+        share = max(1, len(os.sched_getaffinity(0)) // workers)
+        torch.set_num_threads(share)
+        os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(share)
 
 
 @pytest.fixture(scope="session")

@@ -250,7 +250,8 @@ class _Stopper:
 
 def _spawn(args: dict) -> subprocess.Popen:
     proc = subprocess.Popen([sys.executable, "-m", "llmopt.distributed.worker"], stdin=subprocess.PIPE,
-                            env={**os.environ, "OMP_NUM_THREADS": str(args["threads"])})
+                            env={**os.environ, "OMP_NUM_THREADS": str(args["threads"]),
+                                 "MKL_NUM_THREADS": str(args["threads"])})  # MKL's own count too, where set
     proc.stdin.write(pickle.dumps(args))
     proc.stdin.flush()  # stdin stays open: its end of file tells the worker the driver is gone
     return proc

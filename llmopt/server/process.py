@@ -28,6 +28,13 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def thread_env(threads: int) -> dict[str, str]:
+    """The environment that gives a child process `threads` threads: OpenMP's count, and MKL's, which
+    torch's matmuls follow instead where it is set (a parent's MKL_NUM_THREADS=2 gave a one-thread
+    server two threads in its matmuls)."""
+    return {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+
+
 class ServerProcess:
     def __init__(self, args: list[str] | None = None, host: str = "127.0.0.1", port: int | None = None,
                  threads: int | None = 1, env: dict[str, str] | None = None):
@@ -36,7 +43,7 @@ class ServerProcess:
         if threads is not None and "--threads" not in self.args:
             self.args += ["--threads", str(threads)]
         self.env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
-                    **({"OMP_NUM_THREADS": str(threads)} if threads else {}), **(env or {})}
+                    **(thread_env(threads) if threads else {}), **(env or {})}
         self.proc: subprocess.Popen | None = None
         self.log_path: str | None = None
         self.returncode: int | None = None

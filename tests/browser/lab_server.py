@@ -44,7 +44,8 @@ def shared_machine_env() -> dict[str, str]:
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers < 2:
         return {}
-    return {"OMP_NUM_THREADS": str(max(1, len(os.sched_getaffinity(0)) // workers))}
+    share = str(max(1, len(os.sched_getaffinity(0)) // workers))
+    return {"OMP_NUM_THREADS": share, "MKL_NUM_THREADS": share}   # MKL's own count, set by run_lessons' env
 
 
 # User settings JupyterLab reads at start (a learner's defaults except where noted).
