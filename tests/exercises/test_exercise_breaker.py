@@ -13,16 +13,8 @@ from llmopt.exercises.breaker import EXERCISE, PluggedBreaker, breaker_step_solu
 
 def half_open_lets_all_through(breaker, event, now, failure_threshold, reset_timeout):
     """Right except that half-open sends every request, not one probe."""
-    if event == "allow":
-        if breaker["state"] == "open" and now - breaker["opened_at"] >= reset_timeout:
-            breaker["state"] = "half_open"
-        return breaker["state"] != "open"
-    if event == "success":
-        breaker["state"], breaker["failures"] = "closed", 0
-    elif event == "failure":
-        breaker["failures"] += 1
-        if breaker["state"] == "half_open" or breaker["failures"] >= failure_threshold:
-            breaker["state"], breaker["opened_at"] = "open", now
+    went = breaker_step_solution(breaker, event, now, failure_threshold, reset_timeout)
+    return True if event == "allow" and breaker["state"] == "half_open" else went
 
 
 def count_not_reset(breaker, event, now, failure_threshold, reset_timeout):
